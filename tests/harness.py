@@ -1,0 +1,103 @@
+"""One multi-process harness for every distributed test.
+
+``run_workers(fn, world_size, *args)`` spawns ``world_size`` CPU processes, rendezvouses them through a
+``FileStore`` in a fresh temporary directory (no port races), runs the module-level function
+``fn(rank, world_size, *args)`` in each after ``bagua.init_process_group``, and returns the per-rank results in
+rank order. A worker's exception comes back with its traceback and fails the test; a worker that does not
+finish within ``timeout`` seconds fails it too, and every process is killed. The process group is always
+destroyed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import traceback
+from typing import Any, Callable, Optional
+
+__all__ = ["run_workers", "WorkerError"]
+
+
+class WorkerError(AssertionError):
+    """A worker raised; the message carries its rank and traceback."""
+
+
+def _entry(fn, rank, world_size, local_size, args, store_path, env, results, init_bagua):
+    os.environ.update({k: str(v) for k, v in (env or {}).items()})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank % local_size),
+            "LOCAL_WORLD_SIZE": str(local_size),
+            "NODE_RANK": str(rank // local_size),
+            "OMP_NUM_THREADS": "1",
+        }
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if init_bagua:
+            import bagua.torch_api as bagua
+
+            store = dist.FileStore(store_path, world_size)
+            bagua.init_process_group(store=store, rank=rank, world_size=world_size, local_world_size=local_size)
+        results.put((rank, True, fn(rank, world_size, *args)))
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_workers(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    local_size: Optional[int] = None,
+    env: Optional[dict] = None,
+    timeout: float = 120.0,
+    init_bagua: bool = True,
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return results by rank.
+
+    ``local_size`` ranks share a "node" (``LOCAL_WORLD_SIZE``), so 4 ranks with ``local_size=2`` emulate two
+    nodes of two processes each. ``env`` is added to every worker's environment.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    local_size = local_size or world_size
+    with tempfile.TemporaryDirectory(prefix="bagua-test-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_entry,
+                args=(fn, r, world_size, local_size, args, store_path, env, results, init_bagua),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict[int, Any] = {}
+        try:
+            while len(out) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=timeout)
+                except queue.Empty:
+                    missing = sorted(set(range(world_size)) - set(out))
+                    raise WorkerError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+                if not ok:
+                    raise WorkerError(f"rank {rank} failed:\n{value}")
+                out[rank] = value
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return [out[r] for r in range(world_size)]
