@@ -10,6 +10,7 @@ destroyed.
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import queue
@@ -46,7 +47,10 @@ def _entry(fn, rank, world_size, local_size, args, store_path, env, results, ini
 
             store = dist.FileStore(store_path, world_size)
             bagua.init_process_group(store=store, rank=rank, world_size=world_size, local_world_size=local_size)
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # Tensors go back as bytes: torch's shared-memory pickling would need this process alive to read them.
+        buf = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buf)
+        results.put((rank, True, buf.getvalue()))
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -93,7 +97,9 @@ def run_workers(
                     raise WorkerError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
                 if not ok:
                     raise WorkerError(f"rank {rank} failed:\n{value}")
-                out[rank] = value
+                import torch
+
+                out[rank] = torch.load(io.BytesIO(value), weights_only=False)
         finally:
             for p in procs:
                 p.join(timeout=10)

@@ -1,0 +1,47 @@
+"""Bagua's PyTorch API, importable as ``import bagua.torch_api as bagua``.
+
+Example:
+    >>> import bagua.torch_api as bagua
+    >>> from bagua.torch_api.algorithms import gradient_allreduce
+    >>> bagua.init_process_group()  # doctest: +SKIP
+    >>> model = model.with_bagua([optimizer], gradient_allreduce.GradientAllReduceAlgorithm())  # doctest: +SKIP
+"""
+
+from bagua.torch_api import algorithms, checkpoint, communication, contrib, data_parallel, env
+from bagua.torch_api.communication import (
+    ReduceOp,
+    allgather,
+    allgather_inplace,
+    allreduce,
+    allreduce_inplace,
+    alltoall,
+    alltoall_inplace,
+    alltoall_v,
+    alltoall_v_inplace,
+    barrier,
+    broadcast,
+    gather,
+    gather_inplace,
+    get_backend,
+    init_process_group,
+    recv,
+    reduce,
+    reduce_inplace,
+    reduce_scatter,
+    reduce_scatter_inplace,
+    scatter,
+    scatter_inplace,
+    send,
+)
+from bagua.torch_api.distributed import BaguaModule
+from bagua.torch_api.env import get_local_rank, get_local_size, get_node_rank, get_rank, get_world_size
+from bagua.torch_api.tensor import BaguaTensor
+
+__all__ = [
+    "get_backend", "init_process_group", "send", "recv", "allgather", "allgather_inplace", "allreduce",
+    "allreduce_inplace", "alltoall", "alltoall_inplace", "alltoall_v", "alltoall_v_inplace", "barrier",
+    "broadcast", "gather", "gather_inplace", "reduce", "reduce_inplace", "reduce_scatter",
+    "reduce_scatter_inplace", "scatter", "scatter_inplace", "ReduceOp", "BaguaModule", "BaguaTensor",
+    "get_local_rank", "get_local_size", "get_node_rank", "get_rank", "get_world_size",
+    "algorithms", "checkpoint", "communication", "contrib", "data_parallel", "env",
+]

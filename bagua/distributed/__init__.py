@@ -1,0 +1,1 @@
+"""Launchers: thin wrappers that add Bagua's flags to ``torch.distributed.run`` and call it."""

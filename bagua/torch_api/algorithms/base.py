@@ -1,0 +1,151 @@
+"""Algorithm (hyper-parameters), AlgorithmImpl (bound to a group; the lifecycle hooks) and the name registry.
+
+An :class:`Algorithm` only holds hyper-parameters: it is a picklable dataclass with no process state.
+``algorithm.reify(group)`` returns an :class:`AlgorithmImpl` bound to a process group; the engine calls its
+lifecycle methods, which keep the original Bagua names so that user-written algorithms port:
+
+1. ``init_tensors(ddp)`` names the effective tensors (by default every trainable parameter's gradient, in
+   reverse registration order, which approximates the order backward produces them);
+2. ``tensors_to_buckets(tensors, do_flatten)`` groups them into :class:`BaguaBucket` s;
+3. ``init_operations(ddp, bucket)`` appends each bucket's communication operations;
+4. ``init_forward_pre_hook``, ``init_backward_hook``, ``init_post_backward_hook`` and
+   ``init_post_optimizer_step_hook`` return the functions run at each moment of a step;
+5. ``need_reset()`` asks, before every training forward, to run 1-4 again (e.g. at the end of a warmup).
+
+Example:
+    >>> Algorithm.init("gradient_allreduce", hierarchical=False)
+    GradientAllReduceAlgorithm(hierarchical=False, average=True)
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+
+from bagua.torch_api.bucket import BaguaBucket
+from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.tensor import BaguaTensor, grad_tensor
+
+if TYPE_CHECKING:
+    from bagua.torch_api.data_parallel.bagua_distributed import BaguaDistributedDataParallel
+
+__all__ = ["Algorithm", "AlgorithmImpl", "GlobalAlgorithmRegistry"]
+
+
+class _AlgorithmRegistry(dict):
+    """Algorithm names to classes; ``register`` works as a call or a decorator and refuses duplicates."""
+
+    def register(self, name: str, cls: Optional[type] = None, description: str = "") -> Any:
+        """Register ``cls`` under ``name``; with ``cls`` omitted, return a class decorator."""
+
+        def do_register(algorithm_cls: type) -> type:
+            if name in self:
+                raise ValueError(f"algorithm {name!r} is already registered as {self[name]['cls'].__name__}")
+            self[name] = {"cls": algorithm_cls, "description": description}
+            return algorithm_cls
+
+        return do_register(cls) if cls is not None else do_register
+
+    def get(self, name: str) -> type:  # type: ignore[override]
+        """The class registered under ``name``; a ``ValueError`` with the nearest names otherwise."""
+        if name not in self:
+            close = difflib.get_close_matches(name, self.keys(), n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"unknown algorithm {name!r}.{hint} Available algorithms: {', '.join(self.available_algorithms())}"
+            )
+        return self[name]["cls"]
+
+    def available_algorithms(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self.keys())
+
+
+GlobalAlgorithmRegistry = _AlgorithmRegistry()
+
+
+class Algorithm:
+    """Base class of algorithm hyper-parameter holders.
+
+    Subclasses are dataclasses (picklable, no process state) implementing :meth:`reify`.
+    """
+
+    def reify(self, process_group: BaguaProcessGroup) -> "AlgorithmImpl":
+        """Return the implementation of this algorithm bound to ``process_group``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement reify(process_group)")
+
+    @classmethod
+    def init(cls, name: str, **kwargs: Any) -> "Algorithm":
+        """Create the algorithm registered under ``name`` with ``kwargs``.
+
+        Example:
+            >>> Algorithm.init("bytegrad")  # doctest: +SKIP
+        """
+        _load_builtin_algorithms()
+        return GlobalAlgorithmRegistry.get(name)(**kwargs)
+
+
+def _load_builtin_algorithms() -> None:
+    import bagua.torch_api.algorithms  # noqa: F401  (registers the built-in names)
+
+
+class AlgorithmImpl:
+    """An algorithm bound to a process group; the defaults implement synchronous gradient averaging.
+
+    Args:
+        process_group: the group the algorithm communicates over.
+    """
+
+    def __init__(self, process_group: BaguaProcessGroup) -> None:
+        self.process_group = process_group
+
+    def need_reset(self) -> bool:
+        """Return True to re-run the whole initialization before this training step (checked every forward)."""
+        return False
+
+    def init_tensors(self, bagua_ddp: "BaguaDistributedDataParallel") -> list[BaguaTensor]:
+        """Return the tensors to communicate: each trainable parameter's gradient, in reverse order."""
+        module_name = bagua_ddp.bagua_module_name
+        return [
+            grad_tensor(param, name, module_name).bagua_ensure_grad()
+            for name, param in reversed(bagua_ddp.bagua_build_params())
+        ]
+
+    def tensors_to_buckets(self, tensors: Sequence[Sequence[BaguaTensor]], do_flatten: bool) -> list[BaguaBucket]:
+        """Turn the suggested tensor groups into buckets named by their index."""
+        return [BaguaBucket(group, name=str(i), flatten=do_flatten) for i, group in enumerate(tensors)]
+
+    def init_operations(self, bagua_ddp: "BaguaDistributedDataParallel", bucket: BaguaBucket) -> None:
+        """Append ``bucket``'s operations (none by default)."""
+
+    def init_forward_pre_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[Any], None]:
+        """Return ``fn(inputs)`` run before every training forward."""
+        return lambda inputs: None
+
+    def init_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[str, torch.Tensor], None]:
+        """Return ``fn(name, param)`` run when a parameter's gradient is accumulated; default: mark it ready."""
+
+        def hook(name: str, param: torch.Tensor) -> None:
+            bagua_ddp.mark_communication_ready(name)
+
+        return hook
+
+    def init_post_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[], None]:
+        """Return ``fn()`` run at the end of backward; default: launch what is left and wait for it all."""
+
+        def hook() -> None:
+            bagua_ddp.launch_remaining_buckets()
+            bagua_ddp.wait_pending_comm_ops()
+
+        return hook
+
+    def init_post_optimizer_step_hook(
+        self, bagua_ddp: "BaguaDistributedDataParallel"
+    ) -> Callable[[torch.optim.Optimizer], None]:
+        """Return ``fn(optimizer)`` run after every ``optimizer.step()``."""
+        return lambda optimizer: None
+
+    def close(self) -> None:
+        """Release what the implementation holds (threads, groups) when the model is re-wrapped or torn down."""

@@ -1,0 +1,238 @@
+"""BaguaBucket: ordered effective tensors of one dtype, one flat buffer, and a list of operations.
+
+A bucket with ``flatten=True`` allocates its flat buffer once and makes every effective tensor a view of it, so
+communication works on one large tensor with no copy (the equivalent of DDP's ``gradient_as_bucket_view``).
+Its *operations* are plain callables ``op(bucket, flat)`` run in order on the flat tensor when the bucket is
+executed; algorithms add them in ``init_operations``.
+
+Example:
+    >>> ts = [weight_tensor(torch.nn.Parameter(torch.ones(2)), f"p{i}") for i in range(2)]
+    >>> bucket = BaguaBucket(ts, name="0", flatten=True)
+    >>> bucket.flat
+    tensor([1., 1., 1., 1.])
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from bagua.torch_api import communication as comm
+from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.tensor import BaguaTensor
+
+__all__ = ["BaguaBucket", "BucketOp", "split_bucket_by_bucket_size", "centralized_full_precision_op"]
+
+BucketOp = Callable[["BaguaBucket", torch.Tensor], None]
+
+
+def split_bucket_by_bucket_size(tensors: Sequence[BaguaTensor], bucket_size: int) -> list[list[BaguaTensor]]:
+    """Group ``tensors`` (kept in order) into buckets of about ``bucket_size`` bytes, one dtype per bucket.
+
+    A bucket is closed once it reaches ``bucket_size``, so it can exceed it by one tensor. Dtypes are visited
+    in a fixed order (by name) so that every rank builds the same buckets.
+    """
+    if bucket_size <= 0:
+        raise ValueError(f"bucket_size must be a positive number of bytes, got {bucket_size}")
+    by_dtype: dict[str, list[BaguaTensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(str(t.dtype), []).append(t)
+    buckets: list[list[BaguaTensor]] = []
+    for dtype in sorted(by_dtype):
+        current: list[BaguaTensor] = []
+        size = 0
+        for t in by_dtype[dtype]:
+            current.append(t)
+            size += t.numel() * t.param.element_size()
+            if size >= bucket_size:
+                buckets.append(current)
+                current, size = [], 0
+        if current:
+            buckets.append(current)
+    return buckets
+
+
+class BaguaBucket:
+    """A group of effective tensors communicated together.
+
+    Args:
+        tensors: the bucket's tensors, all of one floating dtype and device.
+        name: the bucket's name (unique within a model).
+        flatten: allocate one flat buffer and make every effective tensor a view of it.
+        alignment: pad the flat buffer with zeros to a multiple of this many elements (e.g. the world size for
+            algorithms that split the bucket into one chunk per rank).
+    """
+
+    def __init__(self, tensors: Sequence[BaguaTensor], name: str, flatten: bool = True, alignment: int = 1) -> None:
+        if not tensors:
+            raise ValueError(f"bucket {name!r} needs at least one tensor")
+        if alignment < 1:
+            raise ValueError(f"bucket alignment must be >= 1, got {alignment}")
+        dtypes = {t.dtype for t in tensors}
+        devices = {t.device for t in tensors}
+        if len(dtypes) != 1 or len(devices) != 1:
+            raise ValueError(f"bucket {name!r} mixes dtypes {dtypes} / devices {devices}; split it per dtype")
+        dtype = dtypes.pop()
+        if not dtype.is_floating_point:
+            bad = tensors[0].name
+            raise ValueError(
+                f"bucket {name!r}: tensor {bad!r} has dtype {dtype}; only floating-point tensors can be "
+                "communicated. Exclude it with module._bagua_params_and_buffers_to_ignore or set requires_grad=False"
+            )
+        # user fields
+        self.tensors: list[BaguaTensor] = list(tensors)
+        self.name = name
+        self.alignment = alignment
+        self.dtype = dtype
+        self.device = devices.pop()
+        # internal state
+        self.numel = sum(t.numel() for t in self.tensors)
+        self.padding = (-self.numel) % alignment
+        self._offsets: list[int] = []
+        offset = 0
+        for t in self.tensors:
+            self._offsets.append(offset)
+            offset += t.numel()
+        self._ops: list[BucketOp] = []
+        self.flat: Optional[torch.Tensor] = None
+        self._buffer: Optional[torch.Tensor] = None
+        if flatten:
+            self._flatten_()
+
+    # -- storage ---------------------------------------------------------------------------------------------
+
+    def _flatten_(self) -> None:
+        self.flat = torch.zeros(self.numel + self.padding, dtype=self.dtype, device=self.device)
+        for t, off in zip(self.tensors, self._offsets):
+            t.bagua_set_storage(self.flat[off : off + t.numel()].view(t.shape))
+
+    def view_of(self, index: int) -> torch.Tensor:
+        """The slice of the flat buffer that belongs to tensor ``index``."""
+        assert self.flat is not None
+        t = self.tensors[index]
+        off = self._offsets[index]
+        return self.flat[off : off + t.numel()].view(t.shape)
+
+    def check_flatten(self) -> bool:
+        """Whether every effective tensor is still the view of the flat buffer it was given."""
+        if self.flat is None:
+            return False
+        for i, t in enumerate(self.tensors):
+            eff = t.bagua_getter_closure()
+            if eff is None or eff.data_ptr() != self.view_of(i).data_ptr() or eff.shape != t.shape:
+                return False
+        return True
+
+    def restore_view(self, index: int) -> None:
+        """Make tensor ``index``'s effective tensor the flat buffer's view again, copying its current value in."""
+        self.tensors[index].bagua_set_storage(self.view_of(index))
+
+    def flattened_tensor(self) -> torch.Tensor:
+        """A new contiguous copy of the bucket's effective tensors (zero padding included)."""
+        out = torch.zeros(self.numel + self.padding, dtype=self.dtype, device=self.device)
+        self._gather_into(out)
+        return out
+
+    def _gather_into(self, out: torch.Tensor) -> None:
+        for t, off in zip(self.tensors, self._offsets):
+            eff = t.bagua_getter_closure()
+            if eff is None:
+                out[off : off + t.numel()].zero_()
+            else:
+                out[off : off + t.numel()].copy_(eff.reshape(-1))
+
+    def _scatter_from(self, src: torch.Tensor) -> None:
+        for t, off in zip(self.tensors, self._offsets):
+            t.effective().copy_(src[off : off + t.numel()].view(t.shape))
+
+    def bytes(self) -> int:
+        """Size of the bucket in bytes (padding included)."""
+        return (self.numel + self.padding) * torch.empty((), dtype=self.dtype).element_size()
+
+    # -- operations ------------------------------------------------------------------------------------------
+
+    def clear_ops(self) -> "BaguaBucket":
+        """Remove every operation; return the bucket."""
+        self._ops.clear()
+        return self
+
+    def append_op(self, op: BucketOp) -> "BaguaBucket":
+        """Append an operation ``op(bucket, flat)``; return the bucket."""
+        self._ops.append(op)
+        return self
+
+    def append_python_op(self, python_function: Callable[[str], None], group: Optional[BaguaProcessGroup] = None):
+        """Append ``python_function(bucket_name)``, run after the bucket's tensors are ready."""
+        return self.append_op(lambda bucket, flat: python_function(bucket.name))
+
+    def append_centralized_synchronous_op(
+        self,
+        hierarchical: bool = False,
+        average: bool = True,
+        scattergather: bool = False,
+        compression: Optional[str] = None,
+        group: Optional[BaguaProcessGroup] = None,
+    ) -> "BaguaBucket":
+        """Append an allreduce of the bucket over ``group`` (see :func:`centralized_full_precision_op`).
+
+        ``compression="MinMaxUInt8"`` gives ByteGrad's 8-bit scatter-reduce-gather.
+        """
+        group = group or comm._get_default_group()
+        if compression is None:
+            return self.append_op(centralized_full_precision_op(group, hierarchical, average, scattergather))
+        if compression == "MinMaxUInt8":
+            from bagua.torch_api.algorithms.bytegrad import centralized_low_precision_op
+
+            return self.append_op(centralized_low_precision_op(group, hierarchical, average))
+        raise ValueError(f"unknown compression {compression!r}; available: None, 'MinMaxUInt8'")
+
+    def execute(self) -> None:
+        """Run the bucket's operations on its flat tensor (gathering and scattering back when not flattened)."""
+        if self.flat is not None and self.check_flatten():
+            for op in self._ops:
+                op(self, self.flat)
+            return
+        if self._buffer is None or self._buffer.numel() != self.numel + self.padding:
+            self._buffer = torch.zeros(self.numel + self.padding, dtype=self.dtype, device=self.device)
+        self._gather_into(self._buffer)
+        for op in self._ops:
+            op(self, self._buffer)
+        self._scatter_from(self._buffer)
+
+    def __repr__(self) -> str:
+        return f"BaguaBucket(name={self.name!r}, tensors={len(self.tensors)}, numel={self.numel}, dtype={self.dtype})"
+
+
+def centralized_full_precision_op(
+    group: BaguaProcessGroup, hierarchical: bool = False, average: bool = True, scattergather: bool = False
+) -> BucketOp:
+    """Allreduce the bucket over ``group``: the operation behind gradient allreduce.
+
+    Flat: one allreduce (AVG or SUM). Hierarchical (when the group spans several nodes of several ranks):
+    reduce to each node's leader, allreduce among leaders, broadcast inside each node; with equal ranks per
+    node this equals the flat average. ``scattergather``: a reduce-scatter followed by an all-gather (the
+    bucket must be padded to the group size).
+    """
+    op = ReduceOp.AVG if average else ReduceOp.SUM
+
+    def allreduce_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
+        if hierarchical and group.is_hierarchical_possible():
+            intra = group.get_intra_node_communicator()
+            inter = group.get_inter_node_communicator()
+            comm.reduce_inplace(flat, 0, op, intra)
+            if inter.is_member():
+                _allreduce(flat, op, inter)
+            comm.broadcast(flat, 0, intra)
+        else:
+            _allreduce(flat, op, group.get_global_communicator())
+
+    def _allreduce(flat: torch.Tensor, op: ReduceOp, c) -> None:
+        if scattergather and flat.numel() % c.nranks() == 0:
+            comm.reduce_scatter_inplace(flat, op, c)
+            comm.allgather_inplace(flat, c)
+        else:
+            comm.allreduce_inplace(flat, op, c)
+
+    return allreduce_op

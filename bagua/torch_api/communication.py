@@ -1,0 +1,521 @@
+"""Bagua's collectives, with the original signatures, as thin wrappers over ``torch.distributed``.
+
+Every collective takes an optional ``comm`` last: a :class:`BaguaCommunicator`, a :class:`BaguaProcessGroup`
+(its global communicator is used), a torch ``ProcessGroup``, or ``None`` for the default group. On a rank that is
+not a member of ``comm`` every collective returns at once. Calls are synchronous, as in the original; they work
+on CPU tensors with gloo and CUDA tensors with NCCL.
+
+Example:
+    >>> import bagua.torch_api as bagua
+    >>> bagua.init_process_group()  # doctest: +SKIP
+    >>> t = torch.ones(4)
+    >>> bagua.allreduce_inplace(t, op=bagua.ReduceOp.AVG)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import json
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from bagua.torch_api import env
+from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup, new_torch_group
+
+__all__ = [
+    "ReduceOp",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "from_torch_group",
+    "get_backend",
+    "send",
+    "recv",
+    "broadcast",
+    "broadcast_object",
+    "reduce",
+    "reduce_inplace",
+    "allreduce",
+    "allreduce_inplace",
+    "allgather",
+    "allgather_inplace",
+    "gather",
+    "gather_inplace",
+    "scatter",
+    "scatter_inplace",
+    "reduce_scatter",
+    "reduce_scatter_inplace",
+    "alltoall",
+    "alltoall_inplace",
+    "alltoall_v",
+    "alltoall_v_inplace",
+    "barrier",
+    "BaguaProcessGroup",
+]
+
+Comm = Union[BaguaCommunicator, BaguaProcessGroup, dist.ProcessGroup, None]
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction operators; values match the original Bagua (and Aluminum)."""
+
+    SUM = 0
+    PRODUCT = 1
+    MIN = 2
+    MAX = 3
+    BOR = 7
+    BAND = 8
+    BXOR = 9
+    AVG = 10
+
+
+_TORCH_OPS = {
+    ReduceOp.SUM: dist.ReduceOp.SUM,
+    ReduceOp.PRODUCT: dist.ReduceOp.PRODUCT,
+    ReduceOp.MIN: dist.ReduceOp.MIN,
+    ReduceOp.MAX: dist.ReduceOp.MAX,
+    ReduceOp.BOR: dist.ReduceOp.BOR,
+    ReduceOp.BAND: dist.ReduceOp.BAND,
+    ReduceOp.BXOR: dist.ReduceOp.BXOR,
+}
+
+_default_pg: Optional[BaguaProcessGroup] = None
+_group_count = 0
+_world_layout: Optional[list[tuple[int, int]]] = None
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_process_group` has run in this process."""
+    return _default_pg is not None
+
+
+def _get_default_group() -> BaguaProcessGroup:
+    if _default_pg is None:
+        raise RuntimeError(
+            "Bagua is not initialized: call bagua.torch_api.init_process_group() first "
+            "(after `import bagua.torch_api as bagua`), under torchrun or `python -m bagua.distributed.launch`"
+        )
+    return _default_pg
+
+
+def _device_for_backend(group: Optional[dist.ProcessGroup] = None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _gather_world_layout() -> list[tuple[int, int]]:
+    global _world_layout
+    if _world_layout is None:
+        device = _device_for_backend()
+        mine = torch.tensor([env.get_node_rank(), env.get_local_rank()], dtype=torch.int64, device=device)
+        gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(gathered, mine)
+        _world_layout = [(int(t[0]), int(t[1])) for t in gathered]
+    return _world_layout
+
+
+def init_process_group(
+    store: Optional[dist.Store] = None,
+    rank: int = -1,
+    world_size: int = -1,
+    local_world_size: int = -1,
+    timeout: Optional[datetime.timedelta] = None,
+) -> None:
+    """Initialize Bagua and, unless already done, ``torch.distributed``.
+
+    Under ``torchrun`` or ``python -m bagua.distributed.launch`` call it with no arguments. With ``store``,
+    ``rank``, ``world_size`` and ``local_world_size`` must be given. Without any launcher it starts a single
+    process job. The backend is NCCL when CUDA and NCCL are available, otherwise gloo; on CUDA the device is
+    chosen from ``LOCAL_RANK``.
+
+    Args:
+        store: a rendezvous store shared by all processes, or ``None`` to use the launcher's environment.
+        rank: global rank of this process (with ``store``).
+        world_size: number of processes (with ``store``).
+        local_world_size: processes per node (with ``store``).
+        timeout: limit for every collective; default ``BAGUA_COMM_TIMEOUT_S`` (300 s).
+
+    Example:
+        >>> import bagua.torch_api as bagua
+        >>> bagua.init_process_group()  # doctest: +SKIP
+    """
+    global _default_pg
+    if _default_pg is not None:
+        raise RuntimeError("trying to initialize the default process group twice!")
+    if store is not None:
+        if rank < 0 or world_size <= 0 or local_world_size <= 0:
+            raise ValueError(
+                "init_process_group(store=...) needs rank >= 0, world_size > 0 and local_world_size > 0, "
+                f"got rank={rank}, world_size={world_size}, local_world_size={local_world_size}"
+            )
+        env._export(
+            {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank % local_world_size),
+                "LOCAL_WORLD_SIZE": str(local_world_size),
+            }
+        )
+    timeout = timeout or datetime.timedelta(seconds=env.get_comm_timeout_s())
+    use_cuda = torch.cuda.is_available() and dist.is_nccl_available()
+    if use_cuda:
+        torch.cuda.set_device(env.get_local_rank() % torch.cuda.device_count())
+    if not dist.is_initialized():
+        backend = "nccl" if use_cuda else "gloo"
+        if store is None and not env.is_launched():
+            # A plain `python train.py`: a one-process job needs no network, so no port is opened.
+            store, rank, world_size = dist.HashStore(), 0, 1
+            env._export({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+        if store is None:
+            dist.init_process_group(backend, init_method="env://", timeout=timeout)
+        else:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    ranks = list(range(dist.get_world_size()))
+    pg = BaguaProcessGroup(ranks, dist.group.WORLD, "default", _new_stream())
+    pg._build_hierarchy(_gather_world_layout())
+    _default_pg = pg
+
+
+def _new_stream():
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.cuda.Stream(priority=-1)
+    return None
+
+
+def _reset() -> None:
+    """Forget the default group (used when torch.distributed is destroyed and re-created, e.g. in tests)."""
+    global _default_pg, _world_layout, _group_count
+    _default_pg, _world_layout, _group_count = None, None, 0
+
+
+def new_group(ranks: Optional[list[int]] = None, stream: Optional[Any] = None) -> BaguaProcessGroup:
+    """Create a :class:`BaguaProcessGroup` over ``ranks`` (all ranks when ``None``).
+
+    Every process of the job must call it, in the same order, as with ``torch.distributed.new_group``.
+
+    Example:
+        >>> group = bagua.communication.new_group([0, 1])  # doctest: +SKIP
+    """
+    global _group_count
+    _get_default_group()
+    ranks = sorted(set(ranks if ranks is not None else range(dist.get_world_size())))
+    bad = [r for r in ranks if not 0 <= r < dist.get_world_size()]
+    if bad:
+        raise ValueError(f"new_group: ranks {bad} are outside the job's {dist.get_world_size()} ranks")
+    group = new_torch_group(ranks)
+    _group_count += 1
+    pg = BaguaProcessGroup(ranks, group, f"group{_group_count}", stream if stream is not None else _new_stream())
+    pg._build_hierarchy(_gather_world_layout())
+    return pg
+
+
+def from_torch_group(group: dist.ProcessGroup, stream: Optional[Any] = None) -> BaguaProcessGroup:
+    """Wrap an existing torch process group as a :class:`BaguaProcessGroup`.
+
+    Every process of the job must call it, in the same order (node layouts are exchanged collectively).
+    """
+    global _group_count
+    _get_default_group()
+    if group is None or group is dist.group.WORLD:
+        ranks = list(range(dist.get_world_size()))
+        group = dist.group.WORLD
+    else:
+        ranks = sorted(dist.get_process_group_ranks(group))
+    _group_count += 1
+    pg = BaguaProcessGroup(ranks, group, f"torch{_group_count}", stream if stream is not None else _new_stream())
+    pg._build_hierarchy(_gather_world_layout())
+    return pg
+
+
+def get_backend(model_name: str = "") -> str:
+    """Return the ``torch.distributed`` backend name in use (``"gloo"`` or ``"nccl"``)."""
+    _get_default_group()
+    return dist.get_backend()
+
+
+def _resolve(comm: Comm) -> BaguaCommunicator:
+    """Resolve the ``comm`` argument of every collective; ``None`` is the default group, in this one place."""
+    if comm is None:
+        return _get_default_group().get_global_communicator()
+    if isinstance(comm, BaguaCommunicator):
+        return comm
+    if isinstance(comm, BaguaProcessGroup):
+        return comm.get_global_communicator()
+    if isinstance(comm, dist.ProcessGroup):
+        ranks = list(range(dist.get_world_size())) if comm is dist.group.WORLD else dist.get_process_group_ranks(comm)
+        return BaguaCommunicator(comm, sorted(ranks))
+    raise TypeError(f"comm must be a BaguaCommunicator, BaguaProcessGroup or torch ProcessGroup, got {type(comm)}")
+
+
+def _active(c: BaguaCommunicator) -> bool:
+    # A non-member, or a communicator of one rank, has nothing to exchange.
+    return c.group is not None and c.nranks() > 1
+
+
+def _reduce_op(op: ReduceOp) -> dist.ReduceOp:
+    op = ReduceOp(op)
+    if op == ReduceOp.AVG:
+        return dist.ReduceOp.SUM
+    return _TORCH_OPS[op]
+
+
+def _finish_avg(tensor: torch.Tensor, op: ReduceOp, n: int) -> None:
+    if ReduceOp(op) == ReduceOp.AVG:
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.div_(n)
+        else:
+            tensor.floor_divide_(n)
+
+
+def send(tensor: torch.Tensor, dst: int, comm: Comm = None) -> None:
+    """Send ``tensor`` to rank ``dst`` of the communicator."""
+    c = _resolve(comm)
+    if _active(c):
+        dist.send(tensor, dst=c.global_rank(dst), group=c.group)
+
+
+def recv(tensor: torch.Tensor, src: int, comm: Comm = None) -> None:
+    """Receive into ``tensor`` from rank ``src`` of the communicator."""
+    c = _resolve(comm)
+    if _active(c):
+        dist.recv(tensor, src=c.global_rank(src), group=c.group)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, comm: Comm = None) -> None:
+    """Broadcast ``tensor`` from rank ``src`` of the communicator to all its ranks, in place."""
+    c = _resolve(comm)
+    if _active(c):
+        dist.broadcast(tensor, src=c.global_rank(src), group=c.group)
+
+
+def broadcast_object(obj: Any, src: int = 0, comm: Comm = None) -> Any:
+    """Broadcast a JSON-serializable object from rank ``src``; return it on every rank.
+
+    Unlike the original (pickle), the payload is JSON: a peer can never make this process run code.
+    """
+    c = _resolve(comm)
+    if not _active(c):
+        return obj
+    device = _device_for_backend(c.group)
+    if c.rank() == src:
+        payload = json.dumps(obj).encode("utf-8")
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src=c.global_rank(src), group=c.group)
+    if c.rank() == src:
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=c.global_rank(src), group=c.group)
+    return json.loads(data.cpu().numpy().tobytes().decode("utf-8")) if c.rank() != src else obj
+
+
+def reduce(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm: Comm = None
+) -> None:
+    """Reduce ``send_tensor`` of every rank into ``recv_tensor`` on rank ``dst``."""
+    c = _resolve(comm)
+    if c.group is None:
+        return
+    if recv_tensor is not send_tensor:
+        recv_tensor.copy_(send_tensor)
+    reduce_inplace(recv_tensor, dst, op, c)
+
+
+def reduce_inplace(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm: Comm = None) -> None:
+    """Reduce ``tensor`` of every rank into ``tensor`` on rank ``dst``."""
+    c = _resolve(comm)
+    if not _active(c):
+        return
+    dist.reduce(tensor, dst=c.global_rank(dst), op=_reduce_op(op), group=c.group)
+    if c.rank() == dst:
+        _finish_avg(tensor, op, c.nranks())
+
+
+def allreduce(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Comm = None
+) -> None:
+    """Reduce ``send_tensor`` over all ranks into ``recv_tensor`` on every rank."""
+    c = _resolve(comm)
+    if c.group is None:
+        return
+    if recv_tensor is not send_tensor:
+        recv_tensor.copy_(send_tensor)
+    allreduce_inplace(recv_tensor, op, c)
+
+
+def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Comm = None) -> None:
+    """Reduce ``tensor`` over all ranks, in place; ``ReduceOp.AVG`` averages."""
+    c = _resolve(comm)
+    if not _active(c):
+        return
+    if ReduceOp(op) == ReduceOp.AVG and dist.get_backend(c.group) == "nccl":
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=c.group)
+        return
+    dist.all_reduce(tensor, op=_reduce_op(op), group=c.group)
+    _finish_avg(tensor, op, c.nranks())
+
+
+def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Comm = None) -> None:
+    """Gather ``send_tensor`` of every rank into the flat ``recv_tensor`` (``nranks * numel`` elements)."""
+    c = _resolve(comm)
+    if c.group is None:
+        return
+    n = send_tensor.numel()
+    if recv_tensor.numel() != n * c.nranks():
+        raise ValueError(f"allgather: recv_tensor needs {n * c.nranks()} elements, has {recv_tensor.numel()}")
+    if not _active(c):
+        recv_tensor.view(-1).copy_(send_tensor.view(-1))
+        return
+    dist.all_gather_into_tensor(recv_tensor.view(-1), send_tensor.contiguous().view(-1), group=c.group)
+
+
+def allgather_inplace(tensor: torch.Tensor, comm: Comm = None) -> None:
+    """All-gather in place: rank ``r`` contributes chunk ``r`` of ``tensor`` (``numel`` divisible by nranks)."""
+    c = _resolve(comm)
+    if not _active(c):
+        return
+    chunk = tensor.numel() // c.nranks()
+    flat = tensor.view(-1)
+    mine = flat[c.rank() * chunk : (c.rank() + 1) * chunk].clone()
+    dist.all_gather_into_tensor(flat, mine, group=c.group)
+
+
+def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm: Comm = None) -> None:
+    """Gather ``send_tensor`` of every rank into the flat ``recv_tensor`` on rank ``dst``."""
+    c = _resolve(comm)
+    if c.group is None:
+        return
+    if not _active(c):
+        recv_tensor.view(-1).copy_(send_tensor.view(-1))
+        return
+    chunks = list(recv_tensor.view(-1).chunk(c.nranks())) if c.rank() == dst else None
+    dist.gather(send_tensor.contiguous().view(-1), chunks, dst=c.global_rank(dst), group=c.group)
+
+
+def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm: Comm = None) -> None:
+    """Gather chunk ``r`` (``count`` elements) of each rank's ``tensor`` into ``tensor`` on rank ``dst``."""
+    c = _resolve(comm)
+    if not _active(c):
+        return
+    flat = tensor.view(-1)
+    mine = flat[c.rank() * count : (c.rank() + 1) * count].clone()
+    chunks = [flat[i * count : (i + 1) * count] for i in range(c.nranks())] if c.rank() == dst else None
+    dist.gather(mine, chunks, dst=c.global_rank(dst), group=c.group)
+
+
+def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm: Comm = None) -> None:
+    """Scatter the flat ``send_tensor`` of rank ``src``: rank ``r`` receives chunk ``r`` into ``recv_tensor``."""
+    c = _resolve(comm)
+    if c.group is None:
+        return
+    if not _active(c):
+        recv_tensor.view(-1).copy_(send_tensor.view(-1))
+        return
+    chunks = [t.contiguous() for t in send_tensor.view(-1).chunk(c.nranks())] if c.rank() == src else None
+    out = recv_tensor.view(-1)
+    dist.scatter(out, chunks, src=c.global_rank(src), group=c.group)
+
+
+def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm: Comm = None) -> None:
+    """Scatter chunks of ``count`` elements of rank ``src``'s ``tensor`` into chunk ``r`` of rank ``r``."""
+    c = _resolve(comm)
+    if not _active(c):
+        return
+    flat = tensor.view(-1)
+    chunks = [flat[i * count : (i + 1) * count].clone() for i in range(c.nranks())] if c.rank() == src else None
+    out = flat[c.rank() * count : (c.rank() + 1) * count]
+    dist.scatter(out, chunks, src=c.global_rank(src), group=c.group)
+
+
+def reduce_scatter(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Comm = None
+) -> None:
+    """Reduce ``send_tensor`` (``nranks * recv.numel()`` elements) and give chunk ``r`` to rank ``r``."""
+    c = _resolve(comm)
+    if c.group is None:
+        return
+    if not _active(c):
+        recv_tensor.view(-1).copy_(send_tensor.view(-1))
+        return
+    out = recv_tensor.view(-1)
+    dist.reduce_scatter_tensor(out, send_tensor.contiguous().view(-1), op=_reduce_op(op), group=c.group)
+    _finish_avg(out, op, c.nranks())
+
+
+def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Comm = None) -> None:
+    """Reduce-scatter in place: chunk ``r`` of ``tensor`` on rank ``r`` holds the reduction of all chunks ``r``."""
+    c = _resolve(comm)
+    if not _active(c):
+        return
+    flat = tensor.view(-1)
+    chunk = flat.numel() // c.nranks()
+    out = flat[c.rank() * chunk : (c.rank() + 1) * chunk]
+    result = torch.empty_like(out)
+    dist.reduce_scatter_tensor(result, flat.clone(), op=_reduce_op(op), group=c.group)
+    out.copy_(result)
+    _finish_avg(out, op, c.nranks())
+
+
+def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Comm = None) -> None:
+    """All-to-all: chunk ``j`` of rank ``i``'s ``send_tensor`` lands in chunk ``i`` of rank ``j``'s ``recv_tensor``."""
+    c = _resolve(comm)
+    if c.group is None:
+        return
+    if send_tensor.numel() % c.nranks():
+        raise ValueError(f"alltoall: {send_tensor.numel()} elements do not divide into {c.nranks()} ranks")
+    if not _active(c):
+        recv_tensor.view(-1).copy_(send_tensor.view(-1))
+        return
+    dist.all_to_all_single(recv_tensor.view(-1), send_tensor.contiguous().view(-1), group=c.group)
+
+
+def alltoall_inplace(tensor: torch.Tensor, comm: Comm = None) -> None:
+    """All-to-all in place on ``tensor``."""
+    c = _resolve(comm)
+    if not _active(c):
+        return
+    alltoall(tensor.clone(), tensor, c)
+
+
+def alltoall_v(
+    send_tensor: torch.Tensor,
+    send_counts: list[int],
+    send_displs: list[int],
+    recv_tensor: torch.Tensor,
+    recv_counts: list[int],
+    recv_displs: list[int],
+    comm: Comm = None,
+) -> None:
+    """All-to-all with per-rank counts and displacements (in elements)."""
+    c = _resolve(comm)
+    if c.group is None:
+        return
+    send_flat, recv_flat = send_tensor.view(-1), recv_tensor.view(-1)
+    inputs = [send_flat[d : d + n].contiguous() for n, d in zip(send_counts, send_displs)]
+    outputs = [torch.empty(n, dtype=recv_flat.dtype, device=recv_flat.device) for n in recv_counts]
+    if _active(c):
+        dist.all_to_all(outputs, inputs, group=c.group)
+    else:
+        outputs = inputs
+    for out, n, d in zip(outputs, recv_counts, recv_displs):
+        recv_flat[d : d + n].copy_(out)
+
+
+def alltoall_v_inplace(tensor: torch.Tensor, counts: list[int], displs: list[int], comm: Comm = None) -> None:
+    """All-to-all with counts and displacements, in place (the same layout is used to send and receive)."""
+    alltoall_v(tensor.clone(), counts, displs, tensor, counts, displs, comm)
+
+
+def barrier(comm: Comm = None) -> None:
+    """Block until every rank of the communicator reaches the barrier."""
+    c = _resolve(comm)
+    if not _active(c):
+        return
+    flag = torch.zeros(1, device=_device_for_backend(c.group))
+    dist.all_reduce(flag, group=c.group)

@@ -1,0 +1,216 @@
+"""CacheLoader: memoize an expensive ``key -> value`` function in a store shared by the processes of a job.
+
+A *store fault* is a store that is down, unreachable, full, or holds an entry that does not decode. On a fault the
+loader never returns a wrong value and never loses one: it computes the value with ``load_fn``, warns once per
+kind of fault, and leaves the store alone for ``retry_after_s`` seconds before trying it again. A corrupt entry is
+recomputed and rewritten.
+
+Writes are buffered and sent in one batch every ``writer_buffer_size`` new values, and when the process exits
+(DataLoader workers included, through :class:`multiprocessing.util.Finalize`); :meth:`CacheLoader.get_many`
+reads a whole batch with one request per store.
+
+Example:
+    >>> import tempfile
+    >>> loader = CacheLoader(dataset_name="squares", path=tempfile.mkdtemp())
+    >>> loader.get(3, lambda k: k * k)
+    9
+    >>> loader.flush(); loader.num_keys()
+    1
+"""
+
+from __future__ import annotations
+
+import multiprocessing.util
+import os
+import time
+import warnings
+from typing import Any, Callable, Hashable, Optional, Sequence, Union
+
+from bagua.torch_api.contrib.utils.serialization import CorruptEntryError, decode, encode
+from bagua.torch_api.contrib.utils.store import Store, StoreError, StoreFullError
+
+__all__ = ["CacheLoader", "BACKENDS"]
+
+#: Backend names accepted by ``CacheLoader(backend=...)``; a :class:`Store` instance is accepted too.
+BACKENDS = ("lmdb", "redis")
+
+
+def _make_store(backend: Union[str, Store], dataset_name: str, kwargs: dict) -> Store:
+    if isinstance(backend, Store):
+        if kwargs:
+            raise ValueError(f"options {sorted(kwargs)} only apply to a named backend, not to a Store instance")
+        return backend
+    if backend == "lmdb":
+        from bagua.torch_api import env
+        from bagua.torch_api.contrib.utils.lmdb_store import LmdbStore
+
+        if "path" not in kwargs:
+            if not dataset_name:
+                warnings.warn(
+                    "the LMDB cache persists across runs under BAGUA_CACHE_DIR and is shared by name; give each "
+                    "dataset a distinct dataset_name (or path=) so that two datasets never read each other's samples",
+                    stacklevel=4,
+                )
+            kwargs = {**kwargs, "path": os.path.join(env.get_cache_dir(), f"{dataset_name or 'default'}.lmdb")}
+        return LmdbStore(**kwargs)
+    if backend == "redis":
+        from bagua.torch_api.contrib.utils.redis_store import RedisStore
+
+        return RedisStore(**kwargs)
+    raise ValueError(f"unknown cache backend {backend!r}; available: {list(BACKENDS)} or a Store instance")
+
+
+class CacheLoader:
+    """Return ``load_fn(key)`` from a shared cache, computing and storing it on a miss.
+
+    Args:
+        backend: ``"lmdb"`` (default: embedded, node-local, shared by every process of the node), ``"redis"``, or a
+            :class:`~bagua.torch_api.contrib.utils.store.Store`.
+        dataset_name: prefix of every key (``"{dataset_name}_{key}"``) and, for LMDB, the name of the database
+            directory under ``BAGUA_CACHE_DIR``; give each dataset its own.
+        writer_buffer_size: new values buffered before one batched write.
+        retry_after_s: seconds the store is left alone after a fault.
+        **kwargs: backend options: LMDB ``path``, ``map_size``, ``max_readers``; Redis ``hosts``, ``cluster_mode``,
+            ``capacity_per_node``, ``maxmemory_policy``, ``bind``, ``socket_timeout``.
+
+    Example:
+        See the module docstring.
+    """
+
+    def __init__(
+        self,
+        backend: Union[str, Store] = "lmdb",
+        dataset_name: str = "",
+        writer_buffer_size: int = 1,
+        retry_after_s: float = 10.0,
+        **kwargs: Any,
+    ) -> None:
+        if writer_buffer_size < 1:
+            raise ValueError(f"writer_buffer_size={writer_buffer_size} must be at least 1 (1 writes every value)")
+        if retry_after_s < 0:
+            raise ValueError(f"retry_after_s={retry_after_s} must be >= 0 seconds")
+        # user settings
+        self.backend = backend if isinstance(backend, str) else type(backend).__name__
+        self.dataset_name = dataset_name
+        self.writer_buffer_size = writer_buffer_size
+        self.retry_after_s = retry_after_s
+        # internal state: the store, this process's pending writes and fault bookkeeping
+        self.store = _make_store(backend, dataset_name, dict(kwargs))
+        self._pending: dict[str, bytes] = {}
+        self._finalizer_pid = -1
+        self._reads_blocked_until = 0.0
+        self._writes_blocked_until = 0.0
+        self._warned: set[str] = set()
+        # stats, per process
+        self.hits = 0
+        self.misses = 0
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_pending"], state["_finalizer_pid"] = {}, -1
+        return state
+
+    def get(self, key: Hashable, load_fn: Callable[[Any], Any]) -> Any:
+        """Return the value of ``key``: from the cache, else ``load_fn(key)`` (then cached).
+
+        Args:
+            key: any key whose ``str`` is stable and distinct, such as a sample index.
+            load_fn: computes the value of a key; its result must be serializable (see ``serialization``).
+
+        Returns:
+            The value.
+        """
+        return self.get_many([key], load_fn)[0]
+
+    def get_many(self, keys: Sequence[Hashable], load_fn: Callable[[Any], Any]) -> list:
+        """Return the values of ``keys`` in order, with one batched read; misses are computed and buffered.
+
+        Args:
+            keys: the keys.
+            load_fn: computes the value of one key.
+
+        Returns:
+            A list of values, ``load_fn(k)`` for every ``k`` of ``keys``.
+        """
+        names = [f"{self.dataset_name}_{key}" for key in keys]
+        raws = self._read(names)
+        out = []
+        for key, name, raw in zip(keys, names, raws):
+            value = self._decoded(name, raw)
+            if value is _MISS:
+                self.misses += 1
+                value = load_fn(key)
+                self._buffer(name, value)
+            else:
+                self.hits += 1
+            out.append(value)
+        if len(self._pending) >= self.writer_buffer_size:
+            self.flush()
+        return out
+
+    def num_keys(self) -> int:
+        """Number of keys in the store (every dataset sharing it counted); pending writes are not."""
+        return self.store.num_keys()
+
+    def flush(self) -> None:
+        """Write the buffered values now (dropping them on a store fault: they are only a cache)."""
+        if not self._pending:
+            return
+        batch, self._pending = self._pending, {}
+        if time.monotonic() < self._writes_blocked_until:
+            return
+        try:
+            self.store.mset(batch)
+        except StoreFullError as error:
+            self._writes_blocked_until = time.monotonic() + self.retry_after_s
+            self._warn_once("full", f"cache store is full; new samples are not cached ({error})")
+        except StoreError as error:
+            self._block_store()
+            self._warn_once("down", f"cache store is unavailable; reading from the dataset instead ({error})")
+
+    # ---------------------------------------------------------------------------------------------- internals
+
+    def _read(self, names: list[str]) -> list[Optional[bytes]]:
+        if time.monotonic() < self._reads_blocked_until:
+            return [None] * len(names)
+        try:
+            raws = self.store.mget(names)
+        except StoreError as error:
+            self._block_store()
+            self._warn_once("down", f"cache store is unavailable; reading from the dataset instead ({error})")
+            return [None] * len(names)
+        return list(raws)
+
+    def _decoded(self, name: str, raw: Optional[bytes]) -> Any:
+        if raw is None:
+            raw = self._pending.get(name)
+            if raw is None:
+                return _MISS
+        try:
+            return decode(raw)
+        except CorruptEntryError as error:
+            self._warn_once("corrupt", f"cache entry {name!r} is corrupt and is recomputed ({error})")
+            return _MISS
+
+    def _buffer(self, name: str, value: Any) -> None:
+        self._pending[name] = encode(value)
+        if self._finalizer_pid != os.getpid():
+            # Runs at exit of this process, including DataLoader workers (which skip atexit handlers).
+            multiprocessing.util.Finalize(None, self.flush, exitpriority=10)
+            self._finalizer_pid = os.getpid()
+
+    def _block_store(self) -> None:
+        until = time.monotonic() + self.retry_after_s
+        self._reads_blocked_until = self._writes_blocked_until = until
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+class _Miss:
+    __slots__ = ()
+
+
+_MISS = _Miss()

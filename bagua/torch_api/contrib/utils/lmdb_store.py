@@ -1,0 +1,142 @@
+"""LmdbStore: the embedded, node-local default store of the dataset cache.
+
+LMDB (Lightning Memory-Mapped Database, https://www.symas.com/lmdb) is a B+tree in one memory-mapped file. Readers
+in any number of processes read the page cache directly, without copies through a server or locks; one writer at a
+time commits, and a process that dies mid-transaction leaves the database at its last commit. So every DataLoader
+worker and every local rank of a node can share one cache, and it outlives worker restarts, with nothing to
+install beyond the ``lmdb`` wheel and nothing to start.
+
+Two LMDB rules shape this class:
+
+- an environment must be opened once per process and its handle must not be used across ``fork()``; handles
+  are opened lazily, shared by every store on the same path in a process, and reopened whenever
+  :func:`os.getpid` changes (a DataLoader worker); the inherited one is never closed in the child;
+- the map has a fixed maximum size (``map_size``); a write that does not fit raises :class:`StoreFullError`
+  and commits nothing.
+
+Example:
+    >>> import tempfile
+    >>> store = LmdbStore(tempfile.mkdtemp(), map_size=1 << 20)
+    >>> store.mset({"a": b"1", "b": b"2"})
+    >>> store.mget(["b", "c"])
+    [b'2', None]
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any, Mapping, Optional, Sequence
+
+from bagua.torch_api.contrib.utils.store import Store, StoreError, StoreFullError
+
+try:
+    import lmdb
+except ImportError:  # pragma: no cover - exercised only without the extra
+    lmdb = None
+
+__all__ = ["LmdbStore", "DEFAULT_MAP_SIZE"]
+
+#: Address space reserved per dataset; the file only grows as entries are written. Pass ``map_size`` to change it.
+DEFAULT_MAP_SIZE = 64 * 1024**3
+
+# Handles a forked child inherited from its parent. Closing one in the child would clear the *parent's* reader
+# slots in the shared lock table (mdb_env_close releases the slots of the pid recorded at open), so children keep
+# them referenced, unused, until they exit.
+_INHERITED: list[Any] = []
+_OPEN: dict[str, tuple[int, Any]] = {}
+_LOCK = threading.Lock()
+
+
+class LmdbStore(Store):
+    """A ``str -> bytes`` store in one LMDB environment (a directory), shared by every process that opens it.
+
+    Args:
+        path: directory of the environment; created if missing.
+        map_size: largest size in bytes the database may reach; writes beyond it raise :class:`StoreFullError`.
+        max_readers: concurrent read transactions allowed across all processes (workers x ranks per node).
+
+    Example:
+        See the module docstring.
+    """
+
+    def __init__(self, path: str, map_size: int = DEFAULT_MAP_SIZE, max_readers: int = 512) -> None:
+        if lmdb is None:
+            raise ImportError("the default cache backend needs the 'lmdb' package: pip install lmdb")
+        if map_size <= 0:
+            raise ValueError(f"map_size={map_size} must be a positive number of bytes, e.g. {DEFAULT_MAP_SIZE}")
+        if max_readers <= 0:
+            raise ValueError(f"max_readers={max_readers} must be positive")
+        self.path = os.path.abspath(path)
+        self.map_size = int(map_size)
+        self.max_readers = int(max_readers)
+
+    def _environment(self) -> Any:
+        # LMDB forbids opening one environment twice in a process (closing either handle would drop the other's
+        # locks), so handles live in one per-process table keyed by path, shared by every LmdbStore on that path.
+        pid = os.getpid()
+        with _LOCK:
+            entry = _OPEN.get(self.path)
+            if entry is not None and entry[0] == pid:
+                return entry[1]
+            if entry is not None:
+                _INHERITED.append(entry[1])  # opened by our parent before fork: never use it, never close it
+                del _OPEN[self.path]
+            try:
+                os.makedirs(self.path, exist_ok=True)
+                env = lmdb.open(
+                    self.path,
+                    map_size=self.map_size,
+                    max_readers=self.max_readers,
+                    readahead=False,  # random sample access: let the OS fetch only the pages asked for
+                    meminit=False,
+                    sync=False,  # a cache: losing the last commits on an OS crash only costs recomputation
+                    metasync=False,
+                )
+            except (lmdb.Error, OSError) as error:
+                raise StoreError(f"cannot open LMDB cache at {self.path}: {error}") from error
+            _OPEN[self.path] = (pid, env)
+            return env
+
+    def mset(self, mapping: Mapping[str, bytes]) -> None:
+        if not mapping:
+            return
+        items = [(key.encode(), bytes(value)) for key, value in mapping.items()]
+        try:
+            with self._environment().begin(write=True) as txn:
+                txn.cursor().putmulti(items)
+        except lmdb.MapFullError as error:
+            raise StoreFullError(
+                f"LMDB cache at {self.path} is full (map_size={self.map_size} bytes); pass a larger map_size"
+            ) from error
+        except lmdb.Error as error:
+            raise StoreError(f"LMDB write failed at {self.path}: {error}") from error
+
+    def mget(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        try:
+            with self._environment().begin(buffers=False) as txn:
+                return [txn.get(key.encode()) for key in keys]
+        except lmdb.Error as error:
+            raise StoreError(f"LMDB read failed at {self.path}: {error}") from error
+
+    def num_keys(self) -> int:
+        try:
+            return int(self._environment().stat()["entries"])
+        except lmdb.Error as error:
+            raise StoreError(f"LMDB stat failed at {self.path}: {error}") from error
+
+    def clear(self) -> None:
+        try:
+            env = self._environment()
+            with env.begin(write=True) as txn:
+                txn.drop(env.open_db(txn=txn), delete=False)
+        except lmdb.Error as error:
+            raise StoreError(f"LMDB clear failed at {self.path}: {error}") from error
+
+    def shutdown(self) -> None:
+        """Close this process's handle on the path, for every store sharing it; the files stay, a call reopens."""
+        with _LOCK:
+            entry = _OPEN.get(self.path)
+            if entry is not None and entry[0] == os.getpid():
+                del _OPEN[self.path]
+                entry[1].close()

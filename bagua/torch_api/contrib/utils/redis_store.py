@@ -1,0 +1,353 @@
+"""RedisStore: the dataset cache on ``redis-server``, either started for the job or given by the user.
+
+With ``hosts=None`` the local rank 0 of every node starts one ``redis-server`` for the job, and every rank learns
+every server's address through one ``all_gather`` of a fixed-size ``uint8`` tensor on the default process group
+(no pickle). Each server
+
+- listens on the node's address only: loopback when the job is single-node or ``MASTER_ADDR`` is a loopback
+  address, otherwise the address of the interface that routes to ``MASTER_ADDR`` (override with ``bind=``);
+- requires a fresh random password (``secrets.token_hex``), given to it on stdin rather than on the command line
+  that every local user can read, with protected mode on;
+- keeps data in memory only (``save ""``, ``appendonly no``), capped by ``capacity_per_node`` bytes with the
+  ``maxmemory_policy`` eviction policy (``allkeys-random`` by default, like the original; ``noeviction`` makes a
+  full server refuse writes, which the cache treats as a store fault);
+- is terminated at interpreter exit, and also when the process that started it dies without running exit
+  handlers (Linux ``setpriv --pdeathsig``, when available).
+
+With ``hosts=[{"host": ..., "port": ..., "password": ...}, ...]`` it only connects. ``cluster_mode=True`` spreads
+keys over all servers by rendezvous hashing (:class:`~.store.ClusterStore`); ``False`` uses the one server
+``hosts[node_rank % len(hosts)]``. Creating a ``RedisStore`` with ``hosts=None`` while ``torch.distributed`` is
+initialized is a collective: every rank must create it, in the same order.
+
+Example:
+    >>> store = RedisStore()  # doctest: +SKIP
+    >>> store.mset({"a": b"1"}); store.mget(["a"])  # doctest: +SKIP
+    [b'1']
+"""
+
+from __future__ import annotations
+
+import atexit
+import ipaddress
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from bagua.torch_api import env
+from bagua.torch_api.contrib.utils.store import ClusterStore, Store, StoreError, StoreFullError
+
+try:
+    import redis
+except ImportError:  # pragma: no cover - exercised only without the extra
+    redis = None
+
+__all__ = ["RedisStore", "RedisShard", "start_redis_server", "DEFAULT_CAPACITY"]
+
+#: Memory cap of a spawned server, in bytes (the original's 100 GiB).
+DEFAULT_CAPACITY = 100 * 1024**3
+_POLICIES = (
+    "noeviction", "allkeys-lru", "allkeys-lfu", "allkeys-random",
+    "volatile-lru", "volatile-lfu", "volatile-random", "volatile-ttl",
+)
+_INFO_BYTES = 256  # one rank's "host port password" in the all_gather
+
+# The server this process started (at most one; later RedisStores reuse it) and the pid that may stop it.
+_SERVER: dict[str, Any] = {}
+_SERVER_LOCK = threading.Lock()
+
+
+def _require_redis() -> None:
+    if redis is None:
+        raise ImportError("backend='redis' needs the 'redis' package: pip install redis")
+
+
+class RedisShard(Store):
+    """One ``redis-server``, as a :class:`Store`. The client is made lazily in each process that uses it.
+
+    Args:
+        host, port, password: where to connect.
+        socket_timeout: seconds a command may take before the server counts as down.
+    """
+
+    def __init__(self, host: str, port: int, password: Optional[str] = None, socket_timeout: float = 5.0) -> None:
+        _require_redis()
+        self.host, self.port, self.password = host, int(port), password
+        self.socket_timeout = socket_timeout
+        self._client: Optional[Any] = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_client"], state["_pid"] = None, -1
+        return state
+
+    def _redis(self) -> Any:
+        if self._client is None or self._pid != os.getpid():
+            self._client = redis.Redis(
+                host=self.host, port=self.port, password=self.password,
+                socket_timeout=self.socket_timeout, socket_connect_timeout=min(self.socket_timeout, 2.0),
+            )
+            self._pid = os.getpid()
+        return self._client
+
+    def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return getattr(self._redis(), method)(*args)
+        except redis.exceptions.ResponseError as error:
+            if str(error).startswith("OOM"):
+                raise StoreFullError(f"redis {self.host}:{self.port} is full: {error}") from error
+            raise StoreError(f"redis {self.host}:{self.port} refused {method}: {error}") from error
+        except redis.exceptions.RedisError as error:
+            raise StoreError(f"redis {self.host}:{self.port} unavailable: {error}") from error
+
+    def mset(self, mapping: Mapping[str, bytes]) -> None:
+        if mapping:
+            self._call("mset", dict(mapping))
+
+    def mget(self, keys: Sequence[str]) -> list[Optional[bytes]]:
+        return list(self._call("mget", list(keys))) if keys else []
+
+    def num_keys(self) -> int:
+        return int(self._call("dbsize"))
+
+    def clear(self) -> None:
+        self._call("flushdb")
+
+    def status(self) -> bool:
+        try:
+            return bool(self._call("ping"))
+        except StoreError:
+            return False
+
+    def shutdown(self) -> None:
+        if self._client is not None and self._pid == os.getpid():
+            self._client.close()
+        self._client, self._pid = None, -1
+
+
+class RedisStore(ClusterStore):
+    """A :class:`~.store.ClusterStore` over ``redis-server`` instances, started for the job or given.
+
+    Args:
+        hosts: ``[{"host": str, "port": int, "password": str (optional)}, ...]`` to connect to existing servers;
+            ``None`` starts one server per node (see the module docstring).
+        cluster_mode: shard keys over all servers (True) or use ``hosts[node_rank % len(hosts)]`` only.
+        capacity_per_node: ``maxmemory`` of a started server, in bytes.
+        maxmemory_policy: eviction policy of a started server, one of redis' ``maxmemory-policy`` values.
+        bind: address a started server listens on; default: the node's address as described above.
+        socket_timeout: seconds a command may take before the server counts as down.
+
+    Example:
+        >>> RedisStore(hosts=[{"host": "10.0.0.5", "port": 6379, "password": "s3cret"}])  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        hosts: Optional[list[dict[str, Any]]] = None,
+        cluster_mode: bool = True,
+        capacity_per_node: int = DEFAULT_CAPACITY,
+        maxmemory_policy: str = "allkeys-random",
+        bind: Optional[str] = None,
+        socket_timeout: float = 5.0,
+    ) -> None:
+        _require_redis()
+        if capacity_per_node <= 0:
+            raise ValueError(f"capacity_per_node={capacity_per_node} must be a positive number of bytes")
+        if maxmemory_policy not in _POLICIES:
+            raise ValueError(f"unknown maxmemory_policy {maxmemory_policy!r}; choose one of {list(_POLICIES)}")
+        if socket_timeout <= 0:
+            raise ValueError(f"socket_timeout={socket_timeout} must be a positive number of seconds")
+        if hosts is None:
+            hosts = _job_servers(capacity_per_node, maxmemory_policy, bind)
+        hosts = _checked_hosts(hosts)
+        if not cluster_mode:
+            hosts = [hosts[env.get_node_rank() % len(hosts)]]
+        self.hosts = hosts
+        shards = [RedisShard(h["host"], h["port"], h.get("password"), socket_timeout) for h in hosts]
+        super().__init__(shards, names=[f"{h['host']}:{h['port']}" for h in hosts])
+
+    def shutdown(self) -> None:
+        """Close connections and stop the server this process started, if any (other ranks lose it too)."""
+        super().shutdown()
+        _stop_server()
+
+
+def _checked_hosts(hosts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    if not hosts:
+        raise ValueError("hosts is empty; pass None to start a server per node, or a list of {'host', 'port'}")
+    out = []
+    for item in hosts:
+        if not isinstance(item, Mapping) or "host" not in item or "port" not in item:
+            raise ValueError(f"each host must be a dict with 'host' and 'port' (and 'password'), got {item!r}")
+        out.append({"host": str(item["host"]), "port": int(item["port"]), "password": item.get("password")})
+    return out
+
+
+# -------------------------------------------------------------------------------------------- spawned servers
+
+
+def start_redis_server(bind: str, capacity: int, policy: str, startup_timeout: float = 15.0) -> dict[str, Any]:
+    """Start ``redis-server`` on ``bind`` with a random password; return ``{"host", "port", "password"}``.
+
+    The server is this process's (see the module docstring for its settings) and is stopped at exit. A second
+    call in the same process returns the running server.
+
+    Args:
+        bind: listening address.
+        capacity: ``maxmemory`` in bytes.
+        policy: ``maxmemory-policy``.
+        startup_timeout: seconds to wait for the first PING.
+
+    Returns:
+        The connection details.
+
+    Example:
+        >>> start_redis_server("127.0.0.1", 1 << 30, "allkeys-random")["host"]  # doctest: +SKIP
+        '127.0.0.1'
+    """
+    _require_redis()
+    with _SERVER_LOCK:
+        if _SERVER and _SERVER["process"].poll() is None and _SERVER["pid"] == os.getpid():
+            if (_SERVER["capacity"], _SERVER["policy"]) != (capacity, policy):
+                warnings.warn(
+                    f"this process already runs a redis-server (maxmemory={_SERVER['capacity']}, policy="
+                    f"{_SERVER['policy']}); reusing it, the new capacity/policy are ignored",
+                    stacklevel=3,
+                )
+            return {k: _SERVER[k] for k in ("host", "port", "password")}
+        executable = shutil.which("redis-server")
+        if executable is None:
+            raise RuntimeError(
+                "backend='redis' with hosts=None starts redis-server, which is not on PATH; install it "
+                "(apt-get install redis-server) or pass hosts=[{'host': ..., 'port': ..., 'password': ...}]"
+            )
+        last_error = ""
+        for _ in range(3):  # the free port may be taken between probing and binding
+            port = env.find_free_network_port(bind)
+            password = secrets.token_hex(16)
+            process, log = _launch(executable, bind, port, password, capacity, policy)
+            client = redis.Redis(host=bind, port=port, password=password, socket_connect_timeout=1.0)
+            deadline = time.monotonic() + startup_timeout
+            while process.poll() is None and time.monotonic() < deadline:
+                try:
+                    client.ping()
+                    break
+                except redis.exceptions.RedisError:
+                    time.sleep(0.05)
+            else:
+                process.kill()
+                process.wait()
+                log.seek(0)
+                last_error = log.read().decode(errors="replace")[-2000:]
+                continue
+            client.close()
+            first = not _SERVER
+            _SERVER.update(process=process, log=log, pid=os.getpid(), host=bind, port=port, password=password,
+                           capacity=capacity, policy=policy)
+            if first:
+                atexit.register(_stop_server)
+            return {"host": bind, "port": port, "password": password}
+        raise RuntimeError(f"redis-server did not start on {bind}; its log ends with:\n{last_error}")
+
+
+def _launch(executable: str, bind: str, port: int, password: str, capacity: int, policy: str):
+    config = "\n".join([
+        f"bind {bind}",
+        f"port {port}",
+        f"requirepass {password}",
+        "protected-mode yes",
+        'save ""',
+        "appendonly no",
+        f"maxmemory {capacity}",
+        f"maxmemory-policy {policy}",
+        "daemonize no",
+        "loglevel warning",
+        'logfile ""',
+    ]) + "\n"
+    command = [executable, "-"]  # "-" reads the configuration (and so the password) from stdin
+    setpriv = shutil.which("setpriv")
+    if setpriv and threading.current_thread() is threading.main_thread():
+        # Killed with us even on SIGKILL; pdeathsig follows the creating *thread*, hence the main-thread check.
+        command = [setpriv, "--pdeathsig", "TERM", "--", *command]
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT, close_fds=True)
+    process.stdin.write(config.encode())
+    process.stdin.close()
+    return process, log
+
+
+def _stop_server() -> None:
+    with _SERVER_LOCK:
+        if not _SERVER or _SERVER["pid"] != os.getpid():  # a forked child never stops its parent's server
+            return
+        process = _SERVER["process"]
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        _SERVER["log"].close()
+        _SERVER.clear()
+
+
+def _node_address() -> str:
+    """Loopback for a single-node job or a loopback master, else the local address that routes to the master."""
+    if not (dist.is_available() and dist.is_initialized()) or env.get_local_size() >= dist.get_world_size():
+        return "127.0.0.1"
+    master = socket.gethostbyname(env.get_master_addr())
+    if ipaddress.ip_address(master).is_loopback:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((master, env.get_master_port()))  # UDP connect sends nothing; it only picks the route
+        return probe.getsockname()[0]
+
+
+def _job_servers(capacity: int, policy: str, bind: Optional[str]) -> list[dict[str, Any]]:
+    """Start this node's server on local rank 0 and return every node's server, in rank order."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return [start_redis_server(bind or "127.0.0.1", capacity, policy)]
+    mine = ""
+    if env.get_local_rank() == 0:
+        info = start_redis_server(bind or _node_address(), capacity, policy)
+        mine = f"{info['host']} {info['port']} {info['password']}"
+    found = _all_gather_strings(mine)
+    hosts = []
+    for text in found:
+        host, port, password = text.split(" ")
+        hosts.append({"host": host, "port": int(port), "password": password})
+    if not hosts:
+        raise RuntimeError("no rank has LOCAL_RANK=0, so no redis-server was started; check LOCAL_RANK")
+    return hosts
+
+
+def _all_gather_strings(text: str) -> list[str]:
+    """All-gather one short ASCII string per rank as fixed-size uint8 tensors; return the non-empty ones."""
+    raw = text.encode("ascii")
+    if len(raw) > _INFO_BYTES:
+        raise ValueError(f"server address {text!r} is longer than {_INFO_BYTES} bytes")
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    mine = torch.zeros(_INFO_BYTES, dtype=torch.uint8)
+    if raw:
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    gathered = [torch.empty(_INFO_BYTES, dtype=torch.uint8, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine.to(device))
+    out = []
+    for tensor in gathered:
+        value = bytes(tensor.cpu().numpy()).rstrip(b"\0").decode("ascii")
+        if value:
+            out.append(value)
+    return out

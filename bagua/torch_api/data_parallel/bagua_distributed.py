@@ -1,0 +1,386 @@
+"""The engine: drives an algorithm's buckets from public torch hooks.
+
+One function per moment of a step, read top-down:
+
+- ``_on_forward_pre``: count the step, re-initialize when the algorithm asks, run the algorithm's pre-forward hook;
+- ``_on_param_ready``: a gradient was accumulated (``Tensor.register_post_accumulate_grad_hook``): run the
+  algorithm's backward hook, which marks tensors ready; complete buckets are launched, strictly in bucket order,
+  on a background communication thread while backward goes on;
+- ``_on_backward_end``: run the algorithm's post-backward hook (by default: launch what is left, wait for all);
+- ``_on_step_end``: run the algorithm's post-optimizer-step hook (``Optimizer.register_step_post_hook``).
+
+Every wait has a timeout (``BAGUA_COMM_TIMEOUT_S``) and fails with the rank, the bucket and the operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import zlib
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from bagua.torch_api import env
+from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
+from bagua.torch_api.bucket import BaguaBucket, split_bucket_by_bucket_size
+from bagua.torch_api.data_parallel import _state_sync
+from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.tensor import BaguaTensor
+
+__all__ = ["BaguaDistributedDataParallel"]
+
+logger = logging.getLogger(__name__)
+
+
+def _queue_backward_end_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` once the current backward pass has finished.
+
+    Autograd has no public "end of backward" hook; torch's own FSDP2 and DDP's Python reducer use this engine
+    callback for the same purpose, so it is isolated here (STYLE.md habit 8).
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+class _CommWorker:
+    """A daemon thread that executes buckets one at a time, in submission order."""
+
+    def __init__(self, name: str, stream: Optional[Any]) -> None:
+        self._stream = stream
+        self._jobs: list[tuple[Callable[[], None], Future]] = []
+        self._cv = threading.Condition()
+        self._closed = False
+        self._device = torch.cuda.current_device() if stream is not None else None
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], None]) -> Future:
+        future: Future = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the communication thread is closed")
+            self._jobs.append((fn, future))
+            self._cv.notify()
+        return future
+
+    def _loop(self) -> None:
+        if self._device is not None:
+            torch.cuda.set_device(self._device)
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closed:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                fn, future = self._jobs.pop(0)
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                if self._stream is not None:
+                    with torch.cuda.stream(self._stream):
+                        fn()
+                else:
+                    fn()
+                future.set_result(None)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                future.set_exception(exc)
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+
+
+class BaguaDistributedDataParallel:
+    """Bagua's engine for one module: buckets, hooks and the communication thread.
+
+    Users reach it through ``module.with_bagua(...)`` or
+    :class:`bagua.torch_api.data_parallel.DistributedDataParallel`; it is available as ``module.bagua_ddp``.
+
+    Args:
+        module: the model, already on its device.
+        optimizers: the optimizers that step the model's parameters.
+        algorithm: an :class:`~bagua.torch_api.algorithms.Algorithm`.
+        process_group: the group to train over.
+        bagua_module_name: a name unique in the job (defaults to the class name and id).
+        gradient_as_bucket_view: flatten buckets so effective tensors are views of one buffer.
+        find_unused_parameters: give parameters that received no gradient on *any* rank back a ``None``
+            gradient after communication, as torch DDP does (costs one small allreduce per step).
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        algorithm: Algorithm,
+        process_group: BaguaProcessGroup,
+        bagua_module_name: Optional[str] = None,
+        gradient_as_bucket_view: bool = True,
+        find_unused_parameters: bool = False,
+    ) -> None:
+        if not isinstance(algorithm, Algorithm):
+            raise TypeError(
+                f"algorithm must be a bagua Algorithm instance (e.g. GradientAllReduceAlgorithm()), got {algorithm!r}"
+            )
+        # user settings
+        self.module = module
+        self.bagua_optimizers = list(optimizers)
+        self.bagua_algorithm = algorithm
+        self.process_group = process_group
+        self.bagua_module_name = bagua_module_name or f"{type(module).__name__}_{id(module)}"
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters
+        self.require_backward_grad_sync = True
+        self.parameters_to_ignore = set(getattr(module, "_bagua_params_and_buffers_to_ignore", [])) | set(
+            getattr(module, "_ddp_params_and_buffers_to_ignore", [])
+        )
+        # internal state
+        self.bagua_train_step_counter = 0
+        self.bagua_buckets: list[BaguaBucket] = []
+        self._bagua_tensors: list[BaguaTensor] = []
+        self._tensor_by_name: dict[str, BaguaTensor] = {}
+        self._bucket_of: dict[str, tuple[int, int]] = {}
+        self._ready: list[set[int]] = []
+        self._next_bucket = 0
+        self._pending: list[tuple[BaguaBucket, Future, Any]] = []
+        self._callback_queued = False
+        self._params_with_grad_before: set[int] = set()
+        self._hook_handles: list[Any] = []
+        self._autograd_handles: list[Any] = []
+        self._bucket_plan: Optional[list[list[str]]] = None
+        self.impl: AlgorithmImpl = algorithm.reify(process_group)
+        self._worker = _CommWorker(f"bagua-comm-{self.bagua_module_name}", process_group.stream)
+        # one small collective: every rank learns whether the model/optimizers agree everywhere
+        _state_sync.check_consistency(self.module, self.bagua_build_params(), self.bagua_optimizers, process_group)
+        self._register_framework_hooks()
+        self._bagua_init_algorithm()
+
+    # -- parameters --------------------------------------------------------------------------------------------
+
+    def bagua_build_params(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Trainable, non-ignored, de-duplicated parameters as ``(qualified name, parameter)``."""
+        seen: set[int] = set()
+        params = []
+        for module_name, module in self.module.named_modules():
+            if isinstance(module, torch.nn.Embedding) and module.sparse:
+                raise NotImplementedError(f"{module_name}: sparse gradients (Embedding(sparse=True)) are not supported")
+            for param_name, param in module.named_parameters(recurse=False):
+                name = f"{module_name}.{param_name}" if module_name else param_name
+                if not param.requires_grad or name in self.parameters_to_ignore or id(param) in seen:
+                    continue
+                if getattr(param, "expert", False):
+                    continue
+                seen.add(id(param))
+                params.append((name, param))
+        return params
+
+    # -- initialization ----------------------------------------------------------------------------------------
+
+    def _bagua_init_algorithm(self) -> None:
+        self.wait_pending_comm_ops()
+        _state_sync.broadcast_module_and_optimizers(
+            self.module, self.bagua_build_params(), self.bagua_optimizers, self.process_group
+        )
+        self._bagua_tensors = self.impl.init_tensors(self)
+        names = [t.name for t in self._bagua_tensors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"{type(self.impl).__name__}.init_tensors returned duplicate tensor names")
+        self._tensor_by_name = {t.name: t for t in self._bagua_tensors}
+        self._reset_buckets()
+        self._register_autograd_hooks()
+        self._forward_pre_fn = self.impl.init_forward_pre_hook(self)
+        self._backward_fn = self.impl.init_backward_hook(self)
+        self._post_backward_fn = self.impl.init_post_backward_hook(self)
+        self._post_step_fn = self.impl.init_post_optimizer_step_hook(self)
+
+    def _reset_buckets(self, plan: Optional[list[list[str]]] = None) -> None:
+        """(Re)build the buckets, from ``plan`` (lists of tensor names) or by the default bucket size."""
+        self.wait_pending_comm_ops()
+        if plan is not None:
+            self._bucket_plan = plan
+        if self._bucket_plan is not None and set(sum(self._bucket_plan, [])) == set(self._tensor_by_name):
+            groups = [[self._tensor_by_name[n] for n in names] for names in self._bucket_plan if names]
+        else:
+            groups = split_bucket_by_bucket_size(self._bagua_tensors, env.get_default_bucket_size())
+        self.bagua_buckets = self.impl.tensors_to_buckets(groups, self.gradient_as_bucket_view)
+        self._bucket_of = {}
+        for b, bucket in enumerate(self.bagua_buckets):
+            self.impl.init_operations(self, bucket)
+            for i, t in enumerate(bucket.tensors):
+                self._bucket_of[t.name] = (b, i)
+        self._ready = [set() for _ in self.bagua_buckets]
+        self._next_bucket = 0
+
+    def _register_framework_hooks(self) -> None:
+        self._hook_handles.append(self.module.register_forward_pre_hook(self._on_forward_pre))
+        for optimizer in self.bagua_optimizers:
+            self._hook_handles.append(optimizer.register_step_post_hook(self._on_step_end))
+
+    def _register_autograd_hooks(self) -> None:
+        for handle in self._autograd_handles:
+            handle.remove()
+        self._autograd_handles = []
+        for name, param in self.bagua_build_params():
+            self._autograd_handles.append(
+                param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_param_ready(name, p))
+            )
+
+    # -- the moments of a step ---------------------------------------------------------------------------------
+
+    def _on_forward_pre(self, module: torch.nn.Module, inputs: Any) -> None:
+        if not module.training:
+            return
+        self.bagua_train_step_counter += 1
+        if self.impl.need_reset():
+            self._bagua_init_algorithm()
+        if self.find_unused_parameters:
+            self._params_with_grad_before = {id(p) for _, p in self.bagua_build_params() if p.grad is not None}
+        self._forward_pre_fn(inputs)
+
+    def _on_param_ready(self, name: str, param: torch.Tensor) -> None:
+        if not self.require_backward_grad_sync:
+            return
+        if not self._callback_queued:
+            self._callback_queued = True
+            self._used_names: set[str] = set()
+            _queue_backward_end_callback(self._on_backward_end)
+        self._used_names.add(name)
+        self._backward_fn(name, param)
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        self._post_backward_fn()
+        if self.find_unused_parameters:
+            self._restore_globally_unused_grads()
+
+    def _on_step_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._post_step_fn(optimizer)
+
+    # -- readiness and launching -------------------------------------------------------------------------------
+
+    def mark_communication_ready(self, tensor: "str | BaguaTensor") -> None:
+        """Mark a registered tensor ready; launch every bucket that is complete, in bucket order."""
+        name = tensor if isinstance(tensor, str) else tensor.name
+        if name not in self._bucket_of:
+            return
+        b, i = self._bucket_of[name]
+        bucket = self.bagua_buckets[b]
+        if bucket.flat is not None:
+            eff = bucket.tensors[i].bagua_getter_closure()
+            if eff is None or eff.data_ptr() != bucket.view_of(i).data_ptr():
+                # The effective tensor was replaced (e.g. zero_grad(set_to_none=True) then a fresh gradient):
+                # copy it into the bucket and make the bucket's view the effective tensor again, as DDP does.
+                bucket.restore_view(i)
+        self._ready[b].add(i)
+        self._launch_complete_buckets()
+
+    def mark_bucket_ready(self, bucket: BaguaBucket) -> None:
+        """Mark every tensor of ``bucket`` ready (weight algorithms launch whole buckets at once)."""
+        for t in bucket.tensors:
+            self.mark_communication_ready(t.name)
+
+    def _launch_complete_buckets(self) -> None:
+        while self._next_bucket < len(self.bagua_buckets):
+            bucket = self.bagua_buckets[self._next_bucket]
+            if len(self._ready[self._next_bucket]) < len(bucket.tensors):
+                return
+            self._launch(bucket)
+            self._ready[self._next_bucket] = set()
+            self._next_bucket += 1
+
+    def _launch(self, bucket: BaguaBucket) -> None:
+        ready_event = None
+        if bucket.device.type == "cuda":
+            ready_event = torch.cuda.Event()
+            ready_event.record()
+        done_event = torch.cuda.Event() if ready_event is not None else None
+
+        def run() -> None:
+            if ready_event is not None:
+                torch.cuda.current_stream().wait_event(ready_event)
+            bucket.execute()
+            if done_event is not None:
+                done_event.record()
+
+        self._pending.append((bucket, self._worker.submit(run), done_event))
+
+    def launch_remaining_buckets(self) -> None:
+        """Mark every tensor not yet ready as ready (unused parameters contribute their current gradient, or
+        zeros), so every rank launches every bucket exactly once per step."""
+        for b in range(self._next_bucket, len(self.bagua_buckets)):
+            bucket = self.bagua_buckets[b]
+            for i in range(len(bucket.tensors)):
+                if i not in self._ready[b]:
+                    self.mark_communication_ready(bucket.tensors[i].name)
+
+    def wait_pending_comm_ops(self) -> None:
+        """Block until every launched bucket has finished; raise if one failed or timed out."""
+        pending, self._pending = self._pending, []
+        timeout = env.get_comm_timeout_s()
+        for bucket, future, done_event in pending:
+            try:
+                future.result(timeout=timeout)
+            except FutureTimeout:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()}: communication of bucket {bucket.name!r} of "
+                    f"{self.bagua_module_name} ({type(self.impl).__name__}) did not finish within {timeout:.0f} s; "
+                    "a peer may be dead or stuck. Set BAGUA_COMM_TIMEOUT_S to change the limit."
+                ) from None
+            except Exception as exc:
+                raise RuntimeError(
+                    f"rank {dist.get_rank()}: communication of bucket {bucket.name!r} of {self.bagua_module_name} "
+                    f"({type(self.impl).__name__}) failed: {exc}"
+                ) from exc
+            if done_event is not None:
+                torch.cuda.current_stream().wait_event(done_event)
+        if not self._pending:
+            self._ready = [set() for _ in self.bagua_buckets]
+            self._next_bucket = 0
+
+    def _restore_globally_unused_grads(self) -> None:
+        params = self.bagua_build_params()
+        used = torch.tensor(
+            [1 if (name in self._used_names or id(p) in self._params_with_grad_before) else 0 for name, p in params],
+            dtype=torch.int32,
+            device=params[0][1].device if params else "cpu",
+        )
+        group = self.process_group.get_global_communicator().group
+        if group is not None:
+            dist.all_reduce(used, group=group)
+        for (name, p), flag in zip(params, used.tolist()):
+            if flag == 0:
+                p.grad = None
+
+    # -- gradient accumulation ---------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip communication for the backward passes inside; gradients accumulate locally.
+
+        Example:
+            >>> with model.bagua_ddp.no_sync():  # doctest: +SKIP
+            ...     model(x).sum().backward()
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # -- teardown ----------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for pending work, remove every hook, stop the communication thread and the algorithm."""
+        try:
+            self.wait_pending_comm_ops()
+        finally:
+            for handle in self._hook_handles + self._autograd_handles:
+                handle.remove()
+            self._hook_handles, self._autograd_handles = [], []
+            self._worker.close()
+            self.impl.close()

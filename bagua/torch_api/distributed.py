@@ -1,0 +1,136 @@
+"""``BaguaModule``: the ``with_bagua`` method and its properties on every ``torch.nn.Module``.
+
+This is Bagua's one compatibility patch: the original Bagua added ``with_bagua`` to ``torch.nn.Module``, and
+existing scripts call ``model.with_bagua([optimizer], algorithm)``, so importing ``bagua.torch_api`` installs the
+methods of :class:`BaguaModule` on ``torch.nn.Module`` (nothing else of torch is patched). The module is not
+wrapped: ``with_bagua`` returns the same object, whose forward is untouched; hooks do all the work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+
+import torch
+
+from bagua.torch_api import communication as comm
+from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
+from bagua.torch_api.bucket import BaguaBucket
+from bagua.torch_api.process_group import BaguaProcessGroup
+
+if TYPE_CHECKING:
+    from bagua.torch_api.data_parallel.bagua_distributed import BaguaDistributedDataParallel
+
+__all__ = ["BaguaModule"]
+
+
+class BaguaModule:
+    """Methods and properties that ``import bagua.torch_api`` adds to ``torch.nn.Module``.
+
+    Example:
+        >>> import bagua.torch_api as bagua
+        >>> from bagua.torch_api.algorithms import gradient_allreduce
+        >>> bagua.init_process_group()  # doctest: +SKIP
+        >>> model = model.with_bagua([optimizer], gradient_allreduce.GradientAllReduceAlgorithm())  # doctest: +SKIP
+    """
+
+    def with_bagua(  # type: ignore[misc]
+        self: torch.nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        algorithm: Algorithm,
+        process_group: Optional[BaguaProcessGroup] = None,
+        do_flatten: bool = True,
+    ) -> torch.nn.Module:
+        """Train this module with ``algorithm`` over ``process_group``; return the same module.
+
+        Parameters, buffers and optimizer state are broadcast from rank 0, so ranks may start from different
+        weights. Calling it again with another algorithm re-wraps the module.
+
+        Args:
+            optimizers: the optimizers that step this module's parameters.
+            algorithm: e.g. ``GradientAllReduceAlgorithm()`` or ``Algorithm.init("bytegrad")``.
+            process_group: the group to train over; the default group when ``None``.
+            do_flatten: make effective tensors views of flat bucket buffers (faster; disable when another
+                component, such as a fused optimizer, must own the memory layout).
+        """
+        from bagua.torch_api.data_parallel.bagua_distributed import BaguaDistributedDataParallel
+
+        if not comm.is_initialized():
+            raise RuntimeError(
+                "with_bagua() needs Bagua to be initialized first: call bagua.init_process_group() "
+                "(import bagua.torch_api as bagua) before wrapping the model"
+            )
+        if isinstance(optimizers, torch.optim.Optimizer):
+            optimizers = [optimizers]
+        if getattr(self, "bagua_ddp", None) is not None:
+            self.bagua_ddp.close()
+            self.bagua_ddp = None
+        if not hasattr(self, "_bagua_module_name"):
+            self._bagua_module_name = f"{type(self).__name__}_{id(self)}"
+        self.bagua_ddp = BaguaDistributedDataParallel(
+            self,
+            optimizers,
+            algorithm,
+            process_group=process_group or comm._get_default_group(),
+            bagua_module_name=self._bagua_module_name,
+            gradient_as_bucket_view=do_flatten,
+        )
+        return self
+
+    @contextlib.contextmanager
+    def no_sync(self: torch.nn.Module) -> Iterator[None]:  # type: ignore[misc]
+        """Accumulate gradients locally, without communication, inside the ``with`` block.
+
+        Example:
+            >>> with model.no_sync():  # doctest: +SKIP
+            ...     loss_fn(model(x), y).backward()
+        """
+        ddp = getattr(self, "bagua_ddp", None)
+        if ddp is None:
+            raise RuntimeError("no_sync() needs a module wrapped with with_bagua(...)")
+        with ddp.no_sync():
+            yield
+
+    @property
+    def bagua_module_name(self: torch.nn.Module) -> str:  # type: ignore[misc]
+        """The module's name in Bagua (class name and id unless set)."""
+        if not hasattr(self, "_bagua_module_name"):
+            self._bagua_module_name = f"{type(self).__name__}_{id(self)}"
+        return self._bagua_module_name
+
+    @bagua_module_name.setter
+    def bagua_module_name(self: torch.nn.Module, name: str) -> None:  # type: ignore[misc]
+        self._bagua_module_name = name
+
+    @property
+    def bagua_algorithm(self: torch.nn.Module) -> AlgorithmImpl:  # type: ignore[misc]
+        """The algorithm implementation the module trains with."""
+        return _engine(self).impl
+
+    @property
+    def bagua_optimizers(self: torch.nn.Module) -> list[torch.optim.Optimizer]:  # type: ignore[misc]
+        """The optimizers given to ``with_bagua``."""
+        return _engine(self).bagua_optimizers
+
+    @property
+    def bagua_buckets(self: torch.nn.Module) -> list[BaguaBucket]:  # type: ignore[misc]
+        """The module's buckets."""
+        return _engine(self).bagua_buckets
+
+
+def _engine(module: torch.nn.Module) -> "BaguaDistributedDataParallel":
+    ddp = getattr(module, "bagua_ddp", None)
+    if ddp is None:
+        raise RuntimeError(f"{type(module).__name__} is not wrapped: call module.with_bagua(optimizers, algorithm)")
+    return ddp
+
+
+def _install() -> None:
+    """Install :class:`BaguaModule`'s methods on ``torch.nn.Module`` (the documented compatibility patch)."""
+    for name in ("with_bagua", "no_sync", "bagua_module_name", "bagua_algorithm", "bagua_optimizers", "bagua_buckets"):
+        if name == "no_sync" and hasattr(torch.nn.Module, "no_sync"):
+            continue
+        setattr(torch.nn.Module, name, BaguaModule.__dict__[name])
+
+
+_install()
