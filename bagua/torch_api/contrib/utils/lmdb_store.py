@@ -6,11 +6,15 @@ time commits, and a process that dies mid-transaction leaves the database at its
 worker and every local rank of a node can share one cache, and it outlives worker restarts, with nothing to
 install beyond the ``lmdb`` wheel and nothing to start.
 
-Two LMDB rules shape this class:
+Three LMDB rules shape this module:
 
-- an environment must be opened once per process and its handle must not be used across ``fork()``; handles
-  are opened lazily, shared by every store on the same path in a process, and reopened whenever
-  :func:`os.getpid` changes (a DataLoader worker); the inherited one is never closed in the child;
+- an environment is opened at most once per process: handles live in one per-process table keyed by path and
+  are shared by every ``LmdbStore`` on that path;
+- a handle must not cross ``fork()``, and a child must not close an inherited one either (``mdb_env_close``
+  would free the parent's reader slots, which we measured). So every handle is closed just *before* a fork
+  (``os.register_at_fork``), with no transaction in flight (transactions hold the table's lock), and both sides
+  reopen lazily. A handle seen in a process that did not open it (a fork that bypassed the hooks) is never used:
+  the store reports a fault instead;
 - the map has a fixed maximum size (``map_size``); a write that does not fit raises :class:`StoreFullError`
   and commits nothing.
 
@@ -24,9 +28,10 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 from bagua.torch_api.contrib.utils.store import Store, StoreError, StoreFullError
 
@@ -40,12 +45,28 @@ __all__ = ["LmdbStore", "DEFAULT_MAP_SIZE"]
 #: Address space reserved per dataset; the file only grows as entries are written. Pass ``map_size`` to change it.
 DEFAULT_MAP_SIZE = 64 * 1024**3
 
-# Handles a forked child inherited from its parent. Closing one in the child would clear the *parent's* reader
-# slots in the shared lock table (mdb_env_close releases the slots of the pid recorded at open), so children keep
-# them referenced, unused, until they exit.
-_INHERITED: list[Any] = []
+# path -> (pid that opened it, environment). Every transaction runs under _LOCK, so the fork hook below can
+# close the handles knowing that none is in use.
 _OPEN: dict[str, tuple[int, Any]] = {}
 _LOCK = threading.Lock()
+
+
+def _close_before_fork() -> None:
+    _LOCK.acquire()
+    for pid, env in list(_OPEN.values()):
+        if pid == os.getpid():
+            env.close()
+    _OPEN.clear()
+
+
+def _release_after_fork() -> None:
+    _LOCK.release()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(
+        before=_close_before_fork, after_in_parent=_release_after_fork, after_in_child=_release_after_fork
+    )
 
 
 class LmdbStore(Store):
@@ -54,6 +75,7 @@ class LmdbStore(Store):
     Args:
         path: directory of the environment; created if missing.
         map_size: largest size in bytes the database may reach; writes beyond it raise :class:`StoreFullError`.
+            The first process to open the directory sets it.
         max_readers: concurrent read transactions allowed across all processes (workers x ranks per node).
 
     Example:
@@ -71,39 +93,43 @@ class LmdbStore(Store):
         self.map_size = int(map_size)
         self.max_readers = int(max_readers)
 
-    def _environment(self) -> Any:
-        # LMDB forbids opening one environment twice in a process (closing either handle would drop the other's
-        # locks), so handles live in one per-process table keyed by path, shared by every LmdbStore on that path.
-        pid = os.getpid()
+    @contextlib.contextmanager
+    def _transaction(self, write: bool) -> Iterator[Any]:
+        """Yield a transaction on this process's handle, opening the environment if needed."""
         with _LOCK:
-            entry = _OPEN.get(self.path)
-            if entry is not None and entry[0] == pid:
-                return entry[1]
-            if entry is not None:
-                _INHERITED.append(entry[1])  # opened by our parent before fork: never use it, never close it
-                del _OPEN[self.path]
-            try:
-                os.makedirs(self.path, exist_ok=True)
-                env = lmdb.open(
-                    self.path,
-                    map_size=self.map_size,
-                    max_readers=self.max_readers,
-                    readahead=False,  # random sample access: let the OS fetch only the pages asked for
-                    meminit=False,
-                    sync=False,  # a cache: losing the last commits on an OS crash only costs recomputation
-                    metasync=False,
-                )
-            except (lmdb.Error, OSError) as error:
-                raise StoreError(f"cannot open LMDB cache at {self.path}: {error}") from error
-            _OPEN[self.path] = (pid, env)
-            return env
+            env = self._environment()
+            with env.begin(write=write, buffers=False) as txn:
+                yield txn
+
+    def _environment(self) -> Any:
+        entry = _OPEN.get(self.path)
+        if entry is not None:
+            if entry[0] != os.getpid():
+                raise StoreError(f"LMDB cache at {self.path} was opened by process {entry[0]} before a fork that "
+                                 "bypassed os.register_at_fork hooks; it cannot be used in this process")
+            return entry[1]
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            env = lmdb.open(
+                self.path,
+                map_size=self.map_size,
+                max_readers=self.max_readers,
+                readahead=False,  # random sample access: let the OS fetch only the pages asked for
+                meminit=False,
+                sync=False,  # a cache: losing the last commits on an OS crash only costs recomputation
+                metasync=False,
+            )
+        except (lmdb.Error, OSError) as error:
+            raise StoreError(f"cannot open LMDB cache at {self.path}: {error}") from error
+        _OPEN[self.path] = (os.getpid(), env)
+        return env
 
     def mset(self, mapping: Mapping[str, bytes]) -> None:
         if not mapping:
             return
         items = [(key.encode(), bytes(value)) for key, value in mapping.items()]
         try:
-            with self._environment().begin(write=True) as txn:
+            with self._transaction(write=True) as txn:
                 txn.cursor().putmulti(items)
         except lmdb.MapFullError as error:
             raise StoreFullError(
@@ -114,29 +140,30 @@ class LmdbStore(Store):
 
     def mget(self, keys: Sequence[str]) -> list[Optional[bytes]]:
         try:
-            with self._environment().begin(buffers=False) as txn:
+            with self._transaction(write=False) as txn:
                 return [txn.get(key.encode()) for key in keys]
         except lmdb.Error as error:
             raise StoreError(f"LMDB read failed at {self.path}: {error}") from error
 
     def num_keys(self) -> int:
         try:
-            return int(self._environment().stat()["entries"])
+            with _LOCK:
+                return int(self._environment().stat()["entries"])
         except lmdb.Error as error:
             raise StoreError(f"LMDB stat failed at {self.path}: {error}") from error
 
     def clear(self) -> None:
         try:
-            env = self._environment()
-            with env.begin(write=True) as txn:
-                txn.drop(env.open_db(txn=txn), delete=False)
+            with _LOCK:
+                env = self._environment()
+                with env.begin(write=True) as txn:
+                    txn.drop(env.open_db(txn=txn), delete=False)
         except lmdb.Error as error:
             raise StoreError(f"LMDB clear failed at {self.path}: {error}") from error
 
     def shutdown(self) -> None:
         """Close this process's handle on the path, for every store sharing it; the files stay, a call reopens."""
         with _LOCK:
-            entry = _OPEN.get(self.path)
+            entry = _OPEN.pop(self.path, None)
             if entry is not None and entry[0] == os.getpid():
-                del _OPEN[self.path]
                 entry[1].close()

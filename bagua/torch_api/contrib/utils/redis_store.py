@@ -11,7 +11,7 @@ every server's address through one ``all_gather`` of a fixed-size ``uint8`` tens
 - keeps data in memory only (``save ""``, ``appendonly no``), capped by ``capacity_per_node`` bytes with the
   ``maxmemory_policy`` eviction policy (``allkeys-random`` by default, like the original; ``noeviction`` makes a
   full server refuse writes, which the cache treats as a store fault);
-- is terminated at interpreter exit, and also when the process that started it dies without running exit
+- is terminated at interpreter exit (multiprocessing children included), and also when the process that started it dies without running exit
   handlers (Linux ``setpriv --pdeathsig``, when available).
 
 With ``hosts=[{"host": ..., "port": ..., "password": ...}, ...]`` it only connects. ``cluster_mode=True`` spreads
@@ -27,8 +27,8 @@ Example:
 
 from __future__ import annotations
 
-import atexit
 import ipaddress
+import multiprocessing.util
 import os
 import secrets
 import shutil
@@ -48,6 +48,8 @@ from bagua.torch_api.contrib.utils.store import ClusterStore, Store, StoreError,
 
 try:
     import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
 except ImportError:  # pragma: no cover - exercised only without the extra
     redis = None
 
@@ -93,9 +95,12 @@ class RedisShard(Store):
 
     def _redis(self) -> Any:
         if self._client is None or self._pid != os.getpid():
+            # One immediate retry covers a pooled connection the server dropped; a server that is really down
+            # must fail fast, since the cache then serves from the dataset (redis-py's default backs off ~7 s).
             self._client = redis.Redis(
                 host=self.host, port=self.port, password=self.password,
                 socket_timeout=self.socket_timeout, socket_connect_timeout=min(self.socket_timeout, 2.0),
+                retry=Retry(NoBackoff(), 1),
             )
             self._pid = os.getpid()
         return self._client
@@ -104,7 +109,8 @@ class RedisShard(Store):
         try:
             return getattr(self._redis(), method)(*args)
         except redis.exceptions.ResponseError as error:
-            if str(error).startswith("OOM"):
+            # redis-py turns the server's "OOM ..." reply into OutOfMemoryError (5.x+); match the text for older ones.
+            if isinstance(error, getattr(redis.exceptions, "OutOfMemoryError", ())) or "maxmemory" in str(error):
                 raise StoreFullError(f"redis {self.host}:{self.port} is full: {error}") from error
             raise StoreError(f"redis {self.host}:{self.port} refused {method}: {error}") from error
         except redis.exceptions.RedisError as error:
@@ -245,17 +251,19 @@ def start_redis_server(bind: str, capacity: int, policy: str, startup_timeout: f
                 except redis.exceptions.RedisError:
                     time.sleep(0.05)
             else:
+                client.close()
                 process.kill()
                 process.wait()
                 log.seek(0)
                 last_error = log.read().decode(errors="replace")[-2000:]
                 continue
             client.close()
-            first = not _SERVER
+            _SERVER.clear()  # a parent's entry, inherited through fork, is not ours to keep
             _SERVER.update(process=process, log=log, pid=os.getpid(), host=bind, port=port, password=password,
                            capacity=capacity, policy=policy)
-            if first:
-                atexit.register(_stop_server)
+            # A multiprocessing Finalize runs at exit of the main process *and* of multiprocessing children
+            # (which skip atexit), after the cache's own flush (exitpriority 10) has written pending values.
+            multiprocessing.util.Finalize(None, _stop_server, exitpriority=0)
             return {"host": bind, "port": port, "password": password}
         raise RuntimeError(f"redis-server did not start on {bind}; its log ends with:\n{last_error}")
 
