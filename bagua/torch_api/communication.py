@@ -82,6 +82,10 @@ _TORCH_OPS = {
     ReduceOp.BXOR: dist.ReduceOp.BXOR,
 }
 
+# torch 2.13 renamed the tensor forms of all-gather and reduce-scatter; older releases only have the old names.
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 _default_pg: Optional[BaguaProcessGroup] = None
 _group_count = 0
 _world_layout: Optional[list[tuple[int, int]]] = None
@@ -372,7 +376,7 @@ def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Comm =
     if not _active(c):
         recv_tensor.view(-1).copy_(send_tensor.view(-1))
         return
-    dist.all_gather_into_tensor(recv_tensor.view(-1), send_tensor.contiguous().view(-1), group=c.group)
+    all_gather_tensor(recv_tensor.view(-1), send_tensor.contiguous().view(-1), group=c.group)
 
 
 def allgather_inplace(tensor: torch.Tensor, comm: Comm = None) -> None:
@@ -383,7 +387,7 @@ def allgather_inplace(tensor: torch.Tensor, comm: Comm = None) -> None:
     chunk = tensor.numel() // c.nranks()
     flat = tensor.view(-1)
     mine = flat[c.rank() * chunk : (c.rank() + 1) * chunk].clone()
-    dist.all_gather_into_tensor(flat, mine, group=c.group)
+    all_gather_tensor(flat, mine, group=c.group)
 
 
 def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm: Comm = None) -> None:
@@ -444,7 +448,7 @@ def reduce_scatter(
         recv_tensor.view(-1).copy_(send_tensor.view(-1))
         return
     out = recv_tensor.view(-1)
-    dist.reduce_scatter_tensor(out, send_tensor.contiguous().view(-1), op=_reduce_op(op), group=c.group)
+    reduce_scatter_tensor(out, send_tensor.contiguous().view(-1), op=_reduce_op(op), group=c.group)
     _finish_avg(out, op, c.nranks())
 
 
@@ -457,7 +461,7 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
     chunk = flat.numel() // c.nranks()
     out = flat[c.rank() * chunk : (c.rank() + 1) * chunk]
     result = torch.empty_like(out)
-    dist.reduce_scatter_tensor(result, flat.clone(), op=_reduce_op(op), group=c.group)
+    reduce_scatter_tensor(result, flat.clone(), op=_reduce_op(op), group=c.group)
     out.copy_(result)
     _finish_avg(out, op, c.nranks())
 
@@ -497,14 +501,16 @@ def alltoall_v(
     if c.group is None:
         return
     send_flat, recv_flat = send_tensor.view(-1), recv_tensor.view(-1)
-    inputs = [send_flat[d : d + n].contiguous() for n, d in zip(send_counts, send_displs)]
-    outputs = [torch.empty(n, dtype=recv_flat.dtype, device=recv_flat.device) for n in recv_counts]
-    if _active(c):
-        dist.all_to_all(outputs, inputs, group=c.group)
-    else:
-        outputs = inputs
-    for out, n, d in zip(outputs, recv_counts, recv_displs):
-        recv_flat[d : d + n].copy_(out)
+    packed_in = torch.cat([send_flat[d : d + n] for n, d in zip(send_counts, send_displs)])
+    if not _active(c):
+        recv_flat[recv_displs[0] : recv_displs[0] + recv_counts[0]].copy_(packed_in)
+        return
+    packed_out = torch.empty(sum(recv_counts), dtype=recv_flat.dtype, device=recv_flat.device)
+    dist.all_to_all_single(packed_out, packed_in, list(recv_counts), list(send_counts), group=c.group)
+    offset = 0
+    for n, d in zip(recv_counts, recv_displs):
+        recv_flat[d : d + n].copy_(packed_out[offset : offset + n])
+        offset += n
 
 
 def alltoall_v_inplace(tensor: torch.Tensor, counts: list[int], displs: list[int], comm: Comm = None) -> None:

@@ -1,0 +1,441 @@
+"""Fused optimizer: bitwise parity with the unfused step, state dicts, edge cases, GradScaler, with_bagua.
+
+Every parity check compares a fused optimizer against an identical unfused one fed the same gradients, with
+``torch.equal`` (exact): an elementwise step computes the same numbers on a concatenation as on the pieces.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+
+from bagua.torch_api.contrib import fuse_optimizer, is_fused_optimizer
+from bagua.torch_api.contrib.fuse.layout import mutual_runs
+
+SHAPES = [(7, 13), (33,), (5, 5, 3), (100, 3), (129,), (16, 16), (3,)]
+STEPS = 4
+
+
+class Lion(torch.optim.Optimizer):
+    """A user-written optimizer with a per-parameter Python loop (Chen et al. 2023, arXiv 2302.06675)."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                    state["count"] = 0  # a Python scalar state, as user code often keeps
+                m = state["exp_avg"]
+                state["count"] += 1
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(m.mul(b1).add_(p.grad, alpha=1 - b1).sign_(), alpha=-group["lr"])
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+        return loss
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "sgd_nesterov": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1),
+    "adam_amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    "adam_foreach": lambda ps: torch.optim.Adam(ps, lr=1e-2, foreach=True),
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=1e-2),
+    "rmsprop_centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-2, centered=True, momentum=0.9),
+    "rprop": lambda ps: torch.optim.Rprop(ps, lr=1e-2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2, lr_decay=0.01, initial_accumulator_value=0.1),
+    "adamax": lambda ps: torch.optim.Adamax(ps, lr=1e-2, weight_decay=0.01),
+    "adadelta": lambda ps: torch.optim.Adadelta(ps, lr=1.0),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    "nadam_decoupled": lambda ps: torch.optim.NAdam(ps, lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True),
+    "radam": lambda ps: torch.optim.RAdam(ps, lr=1e-2),
+    "asgd": lambda ps: torch.optim.ASGD(ps, lr=1e-2, t0=1),
+    "lion": lambda ps: Lion(ps, lr=1e-2, weight_decay=0.1),
+}
+
+
+def make_params(seed=0, shapes=SHAPES, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen, dtype=torch.float64).to(dtype)) for s in shapes]
+
+
+def grads_for(params, step, seed=100):
+    gen = torch.Generator().manual_seed(seed + step)
+    return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in params]
+
+
+def set_grads(params, grads, keep=True):
+    """Write ``grads``; with ``keep`` an existing ``.grad`` is filled in place (``zero_grad(set_to_none=False)``)."""
+    for p, g in zip(params, grads):
+        if g is None:
+            p.grad = None
+        elif keep and p.grad is not None:
+            p.grad.copy_(g)
+        else:
+            p.grad = g.clone()
+
+
+def assert_same(ref_opt, fused_opt, ref_params, fused_params):
+    for a, b in zip(ref_params, fused_params):
+        assert torch.equal(a, b), "parameters differ"
+        sa, sb = ref_opt.state.get(a, {}), fused_opt.state.get(b, {})
+        assert sa.keys() == sb.keys()
+        for key in sa:
+            if isinstance(sa[key], torch.Tensor):
+                assert torch.equal(sa[key], sb[key]), f"state {key!r} differs"
+            else:
+                assert sa[key] == sb[key], f"state {key!r} differs"
+
+
+def run_pair(make, steps=STEPS, keep=True, grad_mask=None, **fuse_kwargs):
+    ref_params, fused_params = make_params(), make_params()
+    ref = make(ref_params)
+    fused = fuse_optimizer(make(fused_params), **fuse_kwargs)
+    for step in range(steps):
+        grads = grads_for(ref_params, step)
+        if grad_mask is not None:
+            grads = [g if grad_mask(step, i) else None for i, g in enumerate(grads)]
+        set_grads(ref_params, grads, keep=False)
+        set_grads(fused_params, grads, keep=keep)
+        ref.step()
+        fused.fuse_step()
+    assert_same(ref, fused, ref_params, fused_params)
+    return ref, fused, ref_params, fused_params
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_bitwise_parity(name):
+    _, fused, _, fused_params = run_pair(OPTIMIZERS[name], chunk_bytes=256)  # small chunks: many per run
+    assert fused._bagua_fused_count == STEPS
+    flat = fused._bagua_fuser.layouts[0].segments[0].flat_param
+    assert all(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for p in fused_params)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "lion", "rprop"])
+def test_parity_default_chunks_and_no_checks(name):
+    run_pair(OPTIMIZERS[name], check_flatten=False)
+
+
+@pytest.mark.parametrize("name", ["adam", "lion"])
+def test_gradients_replaced_every_step(name):
+    """``zero_grad()`` (set_to_none=True) + backward gives new gradient tensors: they are copied, with a warning."""
+    with pytest.warns(UserWarning, match="gradients were replaced"):
+        run_pair(OPTIMIZERS[name], keep=False)
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "lion", "adagrad"])
+def test_gradients_none_and_frozen(name):
+    # parameter 1 never has a gradient (frozen), parameter 3 skips odd steps: its scalar state falls behind
+    mask = lambda step, i: i != 1 and not (i == 3 and step % 2)  # noqa: E731
+    _, fused, _, params = run_pair(OPTIMIZERS[name], steps=5, grad_mask=mask)
+    assert fused.state.get(params[1], {}).get("step", 0) == 0  # never stepped
+
+
+def test_mixed_dtypes_make_one_segment_each():
+    shapes = SHAPES
+    ref_params, fused_params = make_params(shapes=shapes), make_params(shapes=shapes)
+    for ps in (ref_params, fused_params):
+        for i in (1, 4):
+            ps[i].data = ps[i].data.to(torch.float64)
+        ps[5].data = ps[5].data.to(torch.bfloat16)
+    ref = torch.optim.Adam(ref_params, lr=1e-2)
+    fused = fuse_optimizer(torch.optim.Adam(fused_params, lr=1e-2))
+    assert len(fused._bagua_fuser.layouts[0].segments) == 3
+    for step in range(STEPS):
+        grads = grads_for(ref_params, step)
+        set_grads(ref_params, grads, keep=False)
+        set_grads(fused_params, grads)
+        ref.step()
+        fused.fuse_step()
+    assert_same(ref, fused, ref_params, fused_params)
+
+
+def test_state_dict_round_trip():
+    ref, fused, ref_params, fused_params = run_pair(OPTIMIZERS["adam"])
+    buf = io.BytesIO()
+    torch.save(fused.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    # the fused state loads into a plain optimizer, and a plain state dict into a fused one
+    plain_params, refused_params = make_params(), make_params()
+    for dst, src in ((plain_params, fused_params), (refused_params, fused_params)):
+        with torch.no_grad():
+            for d, s in zip(dst, src):
+                d.copy_(s)
+    plain = OPTIMIZERS["adam"](plain_params)
+    plain.load_state_dict(loaded)
+    refused = fuse_optimizer(OPTIMIZERS["adam"](refused_params))
+    with pytest.warns(UserWarning, match="copied into the flat state"):
+        refused.load_state_dict(ref.state_dict())
+        for step in range(STEPS, STEPS + 2):
+            grads = grads_for(ref_params, step)
+            for ps in (ref_params, plain_params, refused_params, fused_params):
+                set_grads(ps, grads)
+            ref.step()
+            plain.step()
+            refused.fuse_step()
+            fused.fuse_step()
+    assert_same(ref, plain, ref_params, plain_params)
+    assert_same(ref, refused, ref_params, refused_params)
+    assert_same(ref, fused, ref_params, fused_params)
+    seg = refused._bagua_fuser.layouts[0].segments[0]
+    assert all(refused.state[p]["exp_avg"].data_ptr() == seg.view(seg.flat_state["exp_avg"], i).data_ptr()
+               for i, p in enumerate(seg.params))
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum", "lion"])
+def test_plain_step_in_between(name):
+    """A plain ``step()`` (even the first one, creating state outside the flat buffers) mixes with fuse_step."""
+    ref_params, fused_params = make_params(), make_params()
+    ref = OPTIMIZERS[name](ref_params)
+    fused = fuse_optimizer(OPTIMIZERS[name](fused_params))
+    for step in range(5):
+        grads = grads_for(ref_params, step)
+        set_grads(ref_params, grads, keep=False)
+        set_grads(fused_params, grads)
+        ref.step()
+        fused.step() if step in (0, 2) else fused.fuse_step()
+    assert_same(ref, fused, ref_params, fused_params)
+
+
+def test_add_param_group_after_fusing():
+    ref_params, fused_params = make_params(), make_params()
+    ref = OPTIMIZERS["adam"](ref_params[:4])
+    fused = fuse_optimizer(OPTIMIZERS["adam"](fused_params[:4]))
+    for step in range(4):
+        if step == 2:
+            ref.add_param_group({"params": ref_params[4:], "lr": 0.05})
+            fused.add_param_group({"params": fused_params[4:], "lr": 0.05})
+        n = 4 if step < 2 else len(SHAPES)
+        grads = grads_for(ref_params[:n], step)
+        set_grads(ref_params[:n], grads, keep=False)
+        set_grads(fused_params[:n], grads)
+        ref.step()
+        if step == 2:
+            with pytest.warns(UserWarning, match="param group 1 was added"):
+                fused.fuse_step()
+        else:
+            fused.fuse_step()
+    assert_same(ref, fused, ref_params, fused_params)
+    assert len(fused._bagua_fuser.layouts[1].segments) == 1
+
+
+def test_moved_parameter_is_copied_back():
+    ref_params, fused_params = make_params(), make_params()
+    ref, fused = OPTIMIZERS["sgd_momentum"](ref_params), fuse_optimizer(OPTIMIZERS["sgd_momentum"](fused_params))
+    for step in range(3):
+        if step == 1:
+            for ps in (ref_params, fused_params):
+                ps[2].data = ps[2].data * 0.5  # a new tensor: leaves the flat buffer
+        grads = grads_for(ref_params, step)
+        set_grads(ref_params, grads, keep=False)
+        set_grads(fused_params, grads)
+        ref.step()
+        if step == 1:
+            with pytest.warns(UserWarning, match="left the flat buffer"):
+                fused.fuse_step()
+        else:
+            fused.fuse_step()
+    assert_same(ref, fused, ref_params, fused_params)
+    seg = fused._bagua_fuser.layouts[0].segments[0]
+    assert fused_params[2].data_ptr() == seg.view(seg.flat_param, 2).data_ptr()
+
+
+def test_do_flatten_false_fuses_what_is_contiguous():
+    def params_in(buf_params):
+        return [torch.nn.Parameter(t) for t in buf_params]
+
+    def make():
+        flat = torch.cat([p.detach().reshape(-1) for p in make_params()])
+        views, offset = [], 0
+        for s in SHAPES:
+            n = torch.Size(s).numel()
+            views.append(flat[offset : offset + n].view(s))
+            offset += n
+        ps = [torch.nn.Parameter(v) for v in views]  # shares ``flat``'s storage
+        grad_flat = torch.zeros(offset)
+        offset = 0
+        for p in ps:
+            p.grad = grad_flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+        return ps
+
+    ref_params, fused_params = make_params(), make()
+    ref = OPTIMIZERS["sgd_momentum"](ref_params)
+    fused = fuse_optimizer(OPTIMIZERS["sgd_momentum"](fused_params), do_flatten=False)
+    before = fused_params[0].data_ptr()
+    for step in range(STEPS):
+        grads = grads_for(ref_params, step)
+        set_grads(ref_params, grads, keep=False)
+        set_grads(fused_params, grads)
+        ref.step()
+        fused.fuse_step()
+    assert_same(ref, fused, ref_params, fused_params)
+    assert fused_params[0].data_ptr() == before  # nothing was moved
+    segs = fused._bagua_fuser.layouts[0].segments
+    assert [len(s.params) for s in segs] == [len(SHAPES)] and fused._bagua_fused_count == STEPS
+
+
+def test_do_flatten_false_on_separate_tensors_matches():
+    _, fused, _, _ = run_pair(OPTIMIZERS["adam"], do_flatten=False)
+    assert fused._bagua_fused_count == 0
+
+
+def test_model_backward_closure_and_hooks():
+    """Real autograd accumulates into the flat gradient views; the closure and step hooks behave as in step()."""
+    torch.manual_seed(0)
+    ref_model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    fused_model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    fused_model.load_state_dict(ref_model.state_dict())
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=1e-2)
+    fused = fuse_optimizer(torch.optim.AdamW(fused_model.parameters(), lr=1e-2))
+    seen = []
+    fused.register_step_post_hook(lambda opt, args, kwargs: seen.append(opt))
+    data = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(STEPS):
+        for model, opt in ((ref_model, ref), (fused_model, fused)):
+            def closure(model=model, opt=opt):
+                opt.zero_grad(set_to_none=False)
+                loss = model(data * (step + 1)).pow(2).mean()
+                loss.backward()
+                return loss
+
+            loss = opt.step(closure) if opt is ref else opt.fuse_step(closure)
+            assert loss is not None
+    assert seen == [fused] * STEPS
+    for a, b in zip(ref_model.parameters(), fused_model.parameters()):
+        assert torch.equal(a, b)
+    grad_flat = fused._bagua_fuser.layouts[0].segments[0].flat_grad
+    assert all(p.grad.untyped_storage().data_ptr() == grad_flat.untyped_storage().data_ptr()
+               for p in fused_model.parameters())
+
+
+@pytest.mark.parametrize("amp_dtype", [torch.bfloat16, torch.float16])
+def test_grad_scaler_with_replace_step(amp_dtype):
+    """``scaler.step(optimizer)`` calls ``optimizer.step``: with ``replace_step=True`` that is the fused step.
+
+    The scale starts huge so that the first steps overflow in half precision and are skipped, as GradScaler does.
+    """
+    torch.manual_seed(0)
+    ref_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    fused_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    fused_model.load_state_dict(ref_model.state_dict())
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    fused = fuse_optimizer(torch.optim.Adam(fused_model.parameters(), lr=1e-2), replace_step=True)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**70, growth_interval=2) for _ in range(2)]
+    data = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
+    for _ in range(6):
+        for model, opt, scaler in ((ref_model, ref, scalers[0]), (fused_model, fused, scalers[1])):
+            opt.zero_grad(set_to_none=False)
+            with torch.autocast("cpu", dtype=amp_dtype):
+                loss = model(data).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    assert scalers[0].get_scale() == scalers[1].get_scale() < 2.0**70  # some steps were skipped
+    assert fused._bagua_fused_count > 0
+    for a, b in zip(ref_model.parameters(), fused_model.parameters()):
+        assert torch.equal(a, b)
+    assert_same(ref, fused, list(ref_model.parameters()), list(fused_model.parameters()))
+
+
+def test_bf16_parameters():
+    ref_params = make_params(dtype=torch.bfloat16)
+    fused_params = make_params(dtype=torch.bfloat16)
+    ref, fused = OPTIMIZERS["sgd_momentum"](ref_params), fuse_optimizer(OPTIMIZERS["sgd_momentum"](fused_params))
+    for step in range(STEPS):
+        grads = grads_for(ref_params, step)
+        set_grads(ref_params, grads, keep=False)
+        set_grads(fused_params, grads)
+        ref.step()
+        fused.fuse_step()
+    assert_same(ref, fused, ref_params, fused_params)
+
+
+class PerTensorNorm(torch.optim.Optimizer):
+    """Not elementwise: keeps a norm per parameter (LARS-like), state of shape (1,)."""
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self.state[p]["norm"] = p.grad.norm().reshape(1)
+                    p.sub_(p.grad / (self.state[p]["norm"] + 1), alpha=group["lr"])
+
+
+def test_non_elementwise_state_falls_back_to_plain_step():
+    ref_params, fused_params = make_params(), make_params()
+    ref, fused = PerTensorNorm(ref_params), fuse_optimizer(PerTensorNorm(fused_params))
+    with pytest.warns(UserWarning, match="not elementwise"):
+        for step in range(3):
+            grads = grads_for(ref_params, step)
+            set_grads(ref_params, grads, keep=False)
+            set_grads(fused_params, grads)
+            ref.step()
+            fused.fuse_step()
+    assert fused._bagua_fuser.fallback
+    # later steps are plain, so from the same point both agree
+    with torch.no_grad():
+        for a, b in zip(ref_params, fused_params):
+            b.copy_(a)
+    set_grads(ref_params, grads_for(ref_params, 9), keep=False)
+    set_grads(fused_params, grads_for(ref_params, 9))
+    ref.step()
+    fused.fuse_step()
+    assert all(torch.equal(a, b) for a, b in zip(ref_params, fused_params))
+
+
+def test_api_errors():
+    opt = fuse_optimizer(torch.optim.SGD(make_params(), lr=0.1))
+    assert is_fused_optimizer(opt) and not is_fused_optimizer(torch.optim.SGD(make_params(), lr=0.1))
+    with pytest.raises(RuntimeError, match="already fused"):
+        fuse_optimizer(opt)
+    with pytest.raises(ValueError, match="not elementwise"):
+        fuse_optimizer(torch.optim.LBFGS(make_params()))
+    with pytest.raises(TypeError):
+        fuse_optimizer(object())
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        fuse_optimizer(torch.optim.SGD(make_params(), lr=0.1), chunk_bytes=0)
+    # fuse_step is an instance attribute: the class is untouched
+    assert not hasattr(torch.optim.SGD, "fuse_step")
+
+
+def test_lr_scheduler_after_replace_step():
+    params = make_params()
+    opt = fuse_optimizer(torch.optim.SGD(params, lr=0.1), replace_step=True)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    set_grads(params, grads_for(params, 0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "lr_scheduler.step() before optimizer.step()" warning
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.05 and opt._bagua_fused_count == 1
+
+
+def test_mutual_runs():
+    buf, other = torch.zeros(10), torch.zeros(4)
+    params = [buf[0:2], buf[2:5], buf[5:6], other[0:2], buf[8:10]]
+    grads = [buf[0:2], buf[2:5], other[0:1], other[1:3], buf[0:2]]
+    assert mutual_runs([params]) == [range(0, 3), range(3, 4), range(4, 5)]
+    assert mutual_runs([params, grads]) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
+    assert mutual_runs([[]]) == []
