@@ -6,6 +6,7 @@ Every parity check compares a fused optimizer against an identical unfused one f
 
 from __future__ import annotations
 
+import copy
 import io
 import warnings
 
@@ -182,7 +183,7 @@ def test_state_dict_round_trip():
     plain.load_state_dict(loaded)
     refused = fuse_optimizer(OPTIMIZERS["adam"](refused_params))
     with pytest.warns(UserWarning, match="copied into the flat state"):
-        refused.load_state_dict(ref.state_dict())
+        refused.load_state_dict(copy.deepcopy(ref.state_dict()))
         for step in range(STEPS, STEPS + 2):
             grads = grads_for(ref_params, step)
             for ps in (ref_params, plain_params, refused_params, fused_params):
@@ -330,7 +331,7 @@ def test_model_backward_closure_and_hooks():
 def test_grad_scaler_with_replace_step(amp_dtype):
     """``scaler.step(optimizer)`` calls ``optimizer.step``: with ``replace_step=True`` that is the fused step.
 
-    The scale starts huge so that the first steps overflow in half precision and are skipped, as GradScaler does.
+    Step 2 feeds an infinite input, so its gradients are not finite and GradScaler skips that step.
     """
     torch.manual_seed(0)
     ref_model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
@@ -338,34 +339,54 @@ def test_grad_scaler_with_replace_step(amp_dtype):
     fused_model.load_state_dict(ref_model.state_dict())
     ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
     fused = fuse_optimizer(torch.optim.Adam(fused_model.parameters(), lr=1e-2), replace_step=True)
-    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**70, growth_interval=2) for _ in range(2)]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) for _ in range(2)]
     data = torch.randn(6, 8, generator=torch.Generator().manual_seed(2))
-    for _ in range(6):
+    skipped = 0
+    for step in range(6):
+        x = data * float("inf") if step == 2 else data
         for model, opt, scaler in ((ref_model, ref, scalers[0]), (fused_model, fused, scalers[1])):
             opt.zero_grad(set_to_none=False)
             with torch.autocast("cpu", dtype=amp_dtype):
-                loss = model(data).float().pow(2).mean()
+                loss = model(x).float().pow(2).mean()
             scaler.scale(loss).backward()
+            before = scaler.get_scale()
             scaler.step(opt)
             scaler.update()
-    assert scalers[0].get_scale() == scalers[1].get_scale() < 2.0**70  # some steps were skipped
-    assert fused._bagua_fused_count > 0
+            skipped += opt is fused and scaler.get_scale() < before
+    assert skipped == 1 and scalers[0].get_scale() == scalers[1].get_scale()
+    assert fused._bagua_fused_count == 5
     for a, b in zip(ref_model.parameters(), fused_model.parameters()):
         assert torch.equal(a, b)
     assert_same(ref, fused, list(ref_model.parameters()), list(fused_model.parameters()))
 
 
-def test_bf16_parameters():
-    ref_params = make_params(dtype=torch.bfloat16)
-    fused_params = make_params(dtype=torch.bfloat16)
-    ref, fused = OPTIMIZERS["sgd_momentum"](ref_params), fuse_optimizer(OPTIMIZERS["sgd_momentum"](fused_params))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("name", ["sgd_momentum", "adam", "lion"])
+def test_half_precision_parameters(dtype, name):
+    """bf16/fp16 parameters: equal up to one rounding at the elements where CPU kernels leave vector code.
+
+    PyTorch's CPU kernels compute the last ``numel % 2V`` elements of a tensor (and of each thread's share) with
+    scalar code that rounds ``a + alpha * b`` differently from the vector code in half precision. A flat tensor
+    moves those elements into vector code, so they may differ by one rounding; the unfused ``step()`` itself
+    changes the same way between 1 and 2 threads. Everywhere else the results are exact.
+    """
+    if name == "adam" and dtype == torch.float16:
+        pytest.skip("fp16 Adam with eps=1e-8 divides 0 by 0 (eps underflows), fused or not")
+    ref_params, fused_params = make_params(dtype=dtype), make_params(dtype=dtype)
+    ref, fused = OPTIMIZERS[name](ref_params), fuse_optimizer(OPTIMIZERS[name](fused_params))
     for step in range(STEPS):
         grads = grads_for(ref_params, step)
         set_grads(ref_params, grads, keep=False)
         set_grads(fused_params, grads)
         ref.step()
         fused.fuse_step()
-    assert_same(ref, fused, ref_params, fused_params)
+    exact = total = 0
+    for a, b in zip(ref_params, fused_params):
+        tol = dict(rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
+        torch.testing.assert_close(b, a, **tol)
+        exact += int((a == b).sum())
+        total += a.numel()
+    assert exact >= 0.9 * total
 
 
 class PerTensorNorm(torch.optim.Optimizer):

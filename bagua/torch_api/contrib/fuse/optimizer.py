@@ -1,0 +1,482 @@
+"""Fused optimizer: run any elementwise optimizer's own ``step`` on a few large flat tensors.
+
+An elementwise optimizer (SGD, Adam, AdamW, RMSprop, Rprop, Adagrad, Adamax, Adadelta, NAdam, RAdam, ASGD, a
+user's Lion written as a per-parameter Python loop...) computes the same numbers on a concatenation of tensors
+as on the pieces. :func:`fuse_optimizer` therefore keeps each param group's parameters, gradients and state
+tensors as views of flat buffers (one :class:`~bagua.torch_api.contrib.fuse.layout.Segment` per dtype and
+device), and :func:`fuse_step` runs the optimizer's unmodified ``step`` over a param group that holds one flat
+parameter per *run* of parameters that can be stepped together, cut into *chunks* of about ``chunk_bytes``
+(on CPU a chunk that fits in cache keeps a multi-pass step like Adam's in cache). Results are bitwise equal to
+``step()``; only the number of tensors, and so the Python and kernel-launch overhead, shrinks.
+
+A run is a range of consecutive parameters of a segment that have a gradient in the flat gradient buffer, the
+same state keys, and equal scalar state (``step``, NAdam's ``mu_product``...). A parameter outside every run
+(no gradient, a sparse gradient, state of another shape) is stepped as itself in the same ``step`` call.
+
+Limits: optimizers that reduce per tensor (LAMB, LARS, Adafactor, Muon, anything computing a norm per parameter)
+are not elementwise and give different results; ``LBFGS``, ``SparseAdam``, ``Adafactor`` and ``Muon`` are refused.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Optional
+
+import torch
+
+from bagua.torch_api.contrib.fuse.layout import (
+    Segment,
+    adopt,
+    find_segments,
+    fits_flat,
+    flatten_params,
+    install_grads,
+    state_buffer,
+)
+
+__all__ = ["fuse_optimizer", "is_fused_optimizer", "fuse_step"]
+
+_ATTR = "_bagua_fuser"
+_CPU_CHUNK_BYTES = 1 << 20  # measured best for Adam on a 512 KiB-L2 CPU (benchmarks/fused_optimizer.py)
+_NOT_ELEMENTWISE = tuple(
+    getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor", "Muon") if hasattr(torch.optim, name)
+)
+
+
+def fuse_optimizer(
+    optimizer: torch.optim.Optimizer,
+    do_flatten: bool = True,
+    check_flatten: bool = True,
+    *,
+    replace_step: bool = False,
+    chunk_bytes: Optional[int] = None,
+) -> torch.optim.Optimizer:
+    """Make ``optimizer`` fusable: give it a ``fuse_step`` method that steps a few flat tensors.
+
+    The optimizer object is returned, not a copy; ``optimizer.step()`` keeps its unfused behaviour unless
+    ``replace_step=True``. No class is patched: ``fuse_step`` is set on this instance only.
+
+    Args:
+        optimizer: any :class:`torch.optim.Optimizer` whose update is elementwise.
+        do_flatten: copy each param group's parameters, gradients and state tensors into flat buffers now (per
+            dtype and device) and point them there. With False nothing is moved: only memory that is already
+            contiguous in parameters, gradients and states is fused.
+        check_flatten: check at every ``fuse_step`` that the parameters still live in the flat buffers (a
+            ``module.to()`` or ``param.data = ...`` moves them) and copy them back with a warning. Gradients are
+            always checked; state replaced by a plain ``step()`` or ``load_state_dict()`` is always caught.
+        replace_step: also route ``optimizer.step`` to the fused step, so code that calls ``step()`` itself
+            (``torch.amp.GradScaler.step``, Lightning, LR-scheduler wrappers made afterwards) runs it fused.
+        chunk_bytes: the most bytes one fused tensor spans. None: 1 MiB on CPU (keeps Adam's several passes in
+            cache), unlimited on other devices.
+
+    Returns:
+        The same ``optimizer``, with ``fuse_step(closure=None)`` and ``_bagua_fused_count``.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = fuse_optimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+        >>> model(torch.randn(3, 4)).sum().backward()
+        >>> opt.fuse_step()
+        >>> opt.zero_grad(set_to_none=False)  # keeps gradients in the flat buffer
+    """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"fuse_optimizer expects a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if is_fused_optimizer(optimizer):
+        raise RuntimeError("this optimizer is already fused; call fuse_optimizer once per optimizer")
+    if isinstance(optimizer, _NOT_ELEMENTWISE):
+        raise ValueError(
+            f"{type(optimizer).__name__} is not elementwise (it keeps global or per-tensor state), so a fused step "
+            "would change its results; use its plain step()"
+        )
+    if chunk_bytes is not None and chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive or None (automatic), got {chunk_bytes}")
+    if replace_step and "step" in vars(optimizer):
+        warnings.warn(
+            "optimizer.step was already wrapped on this instance (an LR scheduler?); replace_step=True replaces "
+            "that wrapper. Create LR schedulers after fuse_optimizer.",
+            stacklevel=2,
+        )
+    fuser = _Fuser(optimizer, do_flatten, check_flatten, chunk_bytes)
+    setattr(optimizer, _ATTR, fuser)
+    optimizer._bagua_check_flatten = do_flatten and check_flatten
+    optimizer._bagua_fused_count = 0
+    optimizer.fuse_step = types.MethodType(fuse_step, optimizer)
+    if replace_step:
+        optimizer.step = types.MethodType(fuse_step, optimizer)
+    return optimizer
+
+
+def is_fused_optimizer(optimizer: Any) -> bool:
+    """Return whether :func:`fuse_optimizer` was applied to ``optimizer``."""
+    return isinstance(getattr(optimizer, _ATTR, None), _Fuser)
+
+
+def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], Any]] = None) -> Any:
+    """Run one step of a fused ``optimizer`` over its flat buffers; bound as ``optimizer.fuse_step``.
+
+    ``closure`` is called once, before the step (with gradients enabled), so that the gradients it produces are
+    the ones fused. The optimizer's step hooks run as for ``step()``; while they run, ``optimizer.param_groups``
+    holds the fused groups (their tensors alias the real ones).
+
+    Returns:
+        The closure's return value, or None.
+    """
+    fuser = getattr(optimizer, _ATTR, None)
+    if not isinstance(fuser, _Fuser):
+        raise RuntimeError("fuse_step needs a fused optimizer: call fuse_optimizer(optimizer) first")
+    return fuser.step(closure)
+
+
+@dataclass(eq=False)
+class _Run:
+    """Parameters ``seg.params[a:b]`` stepped as the flat ``chunks`` (views of the segment's buffers)."""
+
+    seg: Segment
+    a: int
+    b: int
+    chunks: list[torch.Tensor]
+    starts: list[int]  # element offset of each chunk in the segment's flat buffers
+    states: list[dict]
+    slices: list[dict]  # per chunk: the flat-state slice objects handed to the optimizer
+    checked: set = field(default_factory=set)  # state keys whose per-parameter views are in place
+
+
+@dataclass(eq=False)
+class _GroupLayout:
+    """How one param group lies in flat storage."""
+
+    params: list  # the group's ``params`` list object, as last seen
+    ids: list[int]
+    segments: list[Segment]
+    loose: list[torch.Tensor]  # parameters in no segment: always stepped as themselves
+    where: dict[int, tuple[Segment, int]]
+
+
+class _Fuser:
+    """The fused-step state of one optimizer (set on it as ``_bagua_fuser``)."""
+
+    __slots__ = (
+        # user settings
+        "do_flatten", "check_flatten", "chunk_bytes",
+        # internal state
+        "optimizer", "layouts", "plan", "codes", "dirty", "in_step", "fallback", "warned", "handles",
+        # stats
+        "fused_count",
+    )
+
+    def __init__(self, optimizer, do_flatten: bool, check_flatten: bool, chunk_bytes: Optional[int]):
+        self.do_flatten, self.check_flatten, self.chunk_bytes = do_flatten, check_flatten, chunk_bytes
+        self.optimizer = optimizer
+        self.layouts = [self._build(g) for g in optimizer.param_groups]
+        self.plan, self.codes = None, None
+        self.in_step = self.fallback = False
+        self.dirty = not do_flatten  # found segments need gradients: look for them at the first step
+        self.warned: set = set()
+        self.fused_count = 0
+        self.handles = [
+            optimizer.register_step_pre_hook(self._on_plain_step),
+            optimizer.register_load_state_dict_post_hook(self._on_load),
+        ]
+
+    # --- one fused step, top-down -------------------------------------------------------------------------
+
+    def step(self, closure):
+        opt = self.optimizer
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.fallback:
+            type(opt).step(opt)
+            return loss
+        self._sync_groups()
+        if self.dirty:
+            self._refresh()
+        codes = self._check()
+        if self.plan is None or codes != self.codes:
+            self.plan, self.codes = self._make_plan(codes), codes
+        fused_groups, fused_state = self._materialize()
+        saved = opt.param_groups, opt.state
+        opt.param_groups, opt.state = fused_groups, fused_state
+        self.in_step = True
+        try:
+            type(opt).step(opt)  # the class's step: its hooks run with this optimizer, not a copy
+        except BaseException:
+            self.plan, self.dirty = None, True
+            raise
+        finally:
+            opt.param_groups, opt.state = saved
+            self.in_step = False
+        self._write_back(fused_groups, fused_state)
+        self.fused_count += any(run.b - run.a > 1 for runs, _ in self.plan for run in runs)
+        opt._bagua_fused_count = self.fused_count
+        return loss
+
+    # --- hooks ---------------------------------------------------------------------------------------------
+
+    def _on_plain_step(self, optimizer, args, kwargs):
+        if not self.in_step:
+            self.dirty = True  # a plain step() may have created state outside the flat buffers
+
+    def _on_load(self, optimizer):
+        self.dirty = True
+
+    def _warn(self, reason: str, message: str) -> None:
+        if reason not in self.warned:
+            self.warned.add(reason)
+            warnings.warn(f"fuse_step: {message}", stacklevel=2)
+
+    # --- layout --------------------------------------------------------------------------------------------
+
+    def _build(self, group: dict) -> _GroupLayout:
+        params, state = group["params"], self.optimizer.state
+        segments = flatten_params(params, state) if self.do_flatten else find_segments(params, state)
+        where = {id(p): (seg, i) for seg in segments for i, p in enumerate(seg.params)}
+        loose = [p for p in params if id(p) not in where]
+        return _GroupLayout(params, [id(p) for p in params], segments, loose, where)
+
+    def _sync_groups(self) -> None:
+        """Flatten param groups added (``add_param_group``) or changed since the last step."""
+        groups = self.optimizer.param_groups
+        del self.layouts[len(groups) :]
+        for gi, group in enumerate(groups):
+            lay = self.layouts[gi] if gi < len(self.layouts) else None
+            params = group["params"]
+            if lay is not None and params is lay.params and len(params) == len(lay.ids):
+                continue
+            if lay is not None and [id(p) for p in params] == lay.ids:
+                lay.params = params  # same parameters in a new list, e.g. after load_state_dict
+                continue
+            if self.do_flatten:
+                what = "added" if lay is None else "changed"
+                self._warn(f"group-{what}", f"param group {gi} was {what} after fuse_optimizer; flattening it now")
+            new = self._build(group)
+            self.layouts[gi:gi + 1] = [new]
+            self.plan = None
+
+    def _refresh(self) -> None:
+        """Bring state created or replaced outside ``fuse_step`` back into the flat buffers."""
+        self.dirty, self.plan = False, None
+        state = self.optimizer.state
+        for gi, lay in enumerate(self.layouts):
+            if not self.do_flatten:
+                self.layouts[gi] = self._build(self.optimizer.param_groups[gi])
+                continue
+            moved = sum(adopt(seg, i, state.get(p)) for seg in lay.segments for i, p in enumerate(seg.params))
+            if moved:
+                self._warn(
+                    "state", "optimizer state made outside fuse_step (a plain step(), load_state_dict()) was "
+                    "copied into the flat state buffers",
+                )
+
+    def _check(self) -> list[list[bytearray]]:
+        """Return, per group and segment, which parameters can be fused now (1) or not (0)."""
+        codes = []
+        for gi, lay in enumerate(self.layouts):
+            group_codes = [self._check_segment(seg) for seg in lay.segments]
+            if any(c is None for c in group_codes):  # a found segment broke, or a parameter changed shape
+                self.layouts[gi] = lay = self._build(self.optimizer.param_groups[gi])
+                group_codes = [self._check_segment(seg) for seg in lay.segments]
+                self.plan = None
+            codes.append(group_codes)
+        return codes
+
+    def _check_segment(self, seg: Segment) -> Optional[bytearray]:
+        codes = bytearray(len(seg.params))
+        replaced, moved, check = [], [], self.check_flatten
+        for i, (p, view) in enumerate(zip(seg.params, seg.grad_views)):
+            g = p.grad
+            if g is view:
+                codes[i] = seg.eligible[i]
+            elif g is not None:
+                replaced.append(i)
+            if check and p.data_ptr() != seg.param_ptrs[i]:
+                moved.append(i)
+        if moved:
+            if not seg.owned or not self._restore_params(seg, moved):
+                return None
+            self._warn("moved", "parameters left the flat buffer (.data reassigned?); copying them back")
+        if replaced:
+            if not seg.owned:
+                return None
+            if any(seg.installed[i] for i in replaced):
+                self._warn(
+                    "grads", "gradients were replaced by new tensors (zero_grad(set_to_none=True), the default?); "
+                    "copying them into the flat buffer every step. Use zero_grad(set_to_none=False) to avoid it",
+                )
+            misfits = set(install_grads(seg, replaced))
+            for i in replaced:
+                codes[i] = 0 if i in misfits else seg.eligible[i]
+        return codes
+
+    @staticmethod
+    def _restore_params(seg: Segment, moved: list[int]) -> bool:
+        with torch.no_grad():
+            for i in moved:
+                p, view = seg.params[i], seg.view(seg.flat_param, i)
+                if p.dtype != view.dtype or p.device != view.device or p.shape != view.shape or not fits_flat(p):
+                    return False
+                view.copy_(p)
+                p.data = view
+                seg.param_ptrs[i] = p.data_ptr()
+        return True
+
+    # --- plan: which parameters are stepped together ---------------------------------------------------------
+
+    def _make_plan(self, codes) -> list[tuple[list[_Run], list[torch.Tensor]]]:
+        state = self.optimizer.state
+        plan = []
+        for lay, group_codes in zip(self.layouts, codes):
+            runs, loose = [], list(lay.loose)
+            for seg, seg_codes in zip(lay.segments, group_codes):
+                keys = [frozenset(state.get(p, ())) for p in seg.params]
+                i, m = 0, len(seg.params)
+                while i < m:
+                    if not seg_codes[i]:
+                        loose.append(seg.params[i])
+                        i += 1
+                        continue
+                    j = i + 1
+                    while j < m and seg_codes[j] and keys[j] == keys[i]:
+                        j += 1
+                    for a, b in self._split_on_scalars(seg, i, j, keys[i]):
+                        runs.append(self._make_run(seg, a, b))
+                    i = j
+            plan.append((runs, loose))
+        return plan
+
+    def _split_on_scalars(self, seg: Segment, i: int, j: int, keys) -> list[tuple[int, int]]:
+        """Cut ``i..j`` where scalar state differs: the fused tensor has one ``step``, so they must agree."""
+        state, cuts = self.optimizer.state, set()
+        for key in keys:
+            first = state[seg.params[i]][key]
+            if isinstance(first, torch.Tensor):
+                if first.dim() == 0:
+                    z = seg.scalar_state[key][i:j]
+                    cuts.update(i + 1 + int(t) for t in torch.nonzero(z[1:] != z[:-1]).flatten().tolist())
+            else:
+                for t in range(i + 1, j):
+                    if not _same(state[seg.params[t]][key], state[seg.params[t - 1]][key]):
+                        cuts.add(t)
+        bounds = [i, *sorted(cuts), j]
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    def _make_run(self, seg: Segment, a: int, b: int) -> _Run:
+        lo, hi = seg.offsets[a], seg.offsets[b]
+        size = hi - lo
+        if self.chunk_bytes is not None or seg.flat_param.device.type == "cpu":
+            size = max(1, (self.chunk_bytes or _CPU_CHUNK_BYTES) // seg.flat_param.element_size())
+        first = self.optimizer.state.get(seg.params[a]) or {}
+        chunks, states, slices = [], [], []
+        starts = list(range(lo, hi, size))
+        for s in starts:
+            e = min(s + size, hi)
+            chunk = torch.nn.Parameter(seg.flat_param[s:e], requires_grad=seg.params[a].requires_grad)
+            chunk.grad = seg.flat_grad[s:e]
+            st, sl = {}, {}
+            for key, value in first.items():
+                if not isinstance(value, torch.Tensor):
+                    st[key] = value
+                elif value.dim() == 0:
+                    st[key] = value.clone()
+                else:
+                    st[key] = sl[key] = seg.flat_state[key][s:e]
+            chunks.append(chunk)
+            states.append(st)
+            slices.append(sl)
+        return _Run(seg, a, b, chunks, starts, states, slices, checked=set(first))
+
+    def _materialize(self):
+        """Build the param groups and state that the optimizer's own ``step`` will see."""
+        opt, fused_state = self.optimizer, defaultdict(dict)
+        fused_groups = []
+        for group, (runs, loose) in zip(opt.param_groups, self.plan):
+            params = []
+            for run in runs:
+                params.extend(run.chunks)
+                for chunk, st in zip(run.chunks, run.states):
+                    fused_state[chunk] = st
+            for p in loose:
+                params.append(p)
+                if p in opt.state:
+                    fused_state[p] = opt.state[p]
+            fused = dict(group)
+            fused["params"] = params
+            fused_groups.append(fused)
+        return fused_groups, fused_state
+
+    # --- write back ------------------------------------------------------------------------------------------
+
+    def _write_back(self, fused_groups, fused_state) -> None:
+        opt = self.optimizer
+        for group, fused, lay, (runs, loose) in zip(opt.param_groups, fused_groups, self.layouts, self.plan):
+            for key, value in fused.items():
+                if key != "params" and group.get(key, _MISSING) is not value:
+                    group[key] = value  # a hyper-parameter the step itself changed
+            for run in runs:
+                self._write_run(run, fused_state)
+            for p in loose:
+                st = fused_state.get(p)
+                if st is not None and opt.state.get(p) is not st:
+                    opt.state[p] = st
+                if p.grad is not None and id(p) in lay.where:
+                    seg, i = lay.where[id(p)]
+                    was = seg.eligible[i]
+                    if adopt(seg, i, opt.state.get(p)) or seg.eligible[i] != was:
+                        self.codes = None  # its state is in the flat buffers now: it may join a run
+
+    def _write_run(self, run: _Run, fused_state) -> None:
+        """Keep per-parameter state as views of the flat state after the optimizer stepped ``run``."""
+        seg, state = run.seg, self.optimizer.state
+        params = seg.params[run.a : run.b]
+        for c, chunk in enumerate(run.chunks):
+            run.states[c] = fused_state[chunk]
+        for key, value in run.states[0].items():
+            if not isinstance(value, torch.Tensor):
+                for p in params:
+                    state[p][key] = value
+            elif value.dim() == 0:
+                flat = state_buffer(seg, key, value, scalar=True)
+                if flat is None:
+                    return self._give_up(f"scalar state {key!r} changed dtype or device")
+                flat[run.a : run.b].fill_(value)
+                if key not in run.checked:
+                    for i in range(run.a, run.b):
+                        state[seg.params[i]][key] = seg.scalar_views[key][i] = flat[i]
+            elif value.shape == run.chunks[0].shape:
+                flat = state_buffer(seg, key, value, scalar=False)
+                if flat is None:
+                    return self._give_up(f"state {key!r} changed dtype or device")
+                for c, (chunk, s) in enumerate(zip(run.chunks, run.starts)):
+                    got = run.states[c][key]
+                    if got is not run.slices[c].get(key):
+                        view = flat[s : s + chunk.numel()]
+                        with torch.no_grad():
+                            view.copy_(got.reshape(-1))
+                        run.states[c][key] = run.slices[c][key] = view
+                if key not in run.checked:
+                    for i in range(run.a, run.b):
+                        state[seg.params[i]][key] = seg.state_views[key][i] = seg.view(flat, i)
+            else:
+                return self._give_up(
+                    f"the optimizer made state {key!r} of shape {tuple(value.shape)} for a flat tensor of shape "
+                    f"{tuple(run.chunks[0].shape)}: it is not elementwise, and this step's results differ from step()"
+                )
+            run.checked.add(key)
+
+    def _give_up(self, why: str) -> None:
+        self.fallback = True
+        self._warn("fallback", f"{why}; using the plain step() from now on")
+
+
+_MISSING = object()
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - values that cannot be compared are not the same
+        return a is b
