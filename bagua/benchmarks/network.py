@@ -1,0 +1,267 @@
+"""``python -m bagua.benchmarks.network`` (``bagua-bench``): training speed over emulated networks.
+
+For each number of hosts, the suite builds a :class:`~bagua.benchmarks.netns.NetnsCluster` (one network
+namespace per host, veth pairs into a bridge), shapes every link with tbf to each requested bandwidth, and runs
+the same training job (:mod:`bagua.benchmarks.workload`, one process per host) with torch DDP, DDP + fp16
+compress hook, DDP + PowerSGD hook and every registered Bagua algorithm. It reports the median step time,
+samples/s, speedup over DDP, bytes sent per step, the fraction of line rate reached, test accuracy (digits) and
+a per-phase breakdown, as a table, JSON, CSV and a PNG plot (:mod:`bagua.benchmarks.report`).
+
+It needs root and iproute2; without them it says so and falls back to loopback processes with no shaping.
+Namespaces are deleted on exit, on Ctrl-C, on SIGTERM and on error. Latency cannot be emulated: this kernel has
+no netem.
+
+Example::
+
+    sudo python -m bagua.benchmarks.network --hosts 2 --bandwidths unshaped,1gbit,100mbit \\
+        --systems ddp,gradient_allreduce,bytegrad --models mlp --out-dir docs/results --name network-2hosts
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from bagua.benchmarks import netns, report
+from bagua.benchmarks.workload import MODELS, available_systems
+from bagua.torch_api import env
+
+__all__ = ["Job", "parse_args", "resolve_systems", "run_job", "run_suite", "main"]
+
+_STEP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
+              "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training run: a model, a system, a host count and a link rate (``None``: unshaped)."""
+
+    model: str
+    system: str
+    hosts: int
+    rate: Optional[int]
+    warmup: int
+    steps: int
+    epochs: int
+    batch_size: int = 32
+
+    @property
+    def bandwidth(self) -> str:
+        return netns.format_rate(self.rate)
+
+    def describe(self) -> str:
+        return f"{self.hosts} hosts {self.bandwidth} {self.model} {self.system}"
+
+
+def resolve_systems(spec: str) -> list[str]:
+    """Expand ``--systems`` ("all" or a comma list) against the systems available now; unknown names raise."""
+    available = available_systems()
+    if spec.strip() == "all":
+        return available
+    names = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [s for s in names if s not in available]
+    if unknown:
+        raise ValueError(f"unknown systems {unknown}; available now: {', '.join(available)}")
+    return names
+
+
+def _child_env(host: netns.Host, master: netns.Host, port: int, world: int) -> dict[str, str]:
+    child = {k: v for k, v in env.environ_snapshot().items() if k not in _STEP_VARS}
+    child.update({
+        "MASTER_ADDR": master.address, "MASTER_PORT": str(port), "RANK": str(host.index),
+        "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+        "GLOO_SOCKET_IFNAME": host.iface, "OMP_NUM_THREADS": "1",
+    })
+    child.update(env.ALLOCATOR_ENV)
+    return child
+
+
+def _tail(path: str, n: int = 1500) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()[-n:]
+    except OSError:
+        return ""
+
+
+def _wait_all(procs: list, deadline: float, row: dict) -> None:
+    """Wait for every process; stop early when one fails (its peers would only hang) or at ``deadline``."""
+    while any(p.poll() is None for p in procs):
+        failed = [i for i, p in enumerate(procs) if p.poll() not in (None, 0)]
+        if failed:
+            row.update(status="failed", error=f"rank {failed[0]} exited with code {procs[failed[0]].returncode}")
+            return
+        if time.monotonic() > deadline:
+            row.update(status="timeout", error="the run did not finish within --job-timeout")
+            return
+        time.sleep(0.1)
+    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        row.update(status="failed", error=f"rank {failed[0]} exited with code {procs[failed[0]].returncode}")
+
+
+def run_job(cluster, job: Job, workdir: str, port: int, timeout_s: float) -> dict:
+    """Run ``job`` on ``cluster`` (one workload process per host); return its result row (never raises for a
+    failed or timed-out job: the row says ``status`` and ``error``)."""
+    hosts = cluster.hosts[: job.hosts]
+    out = os.path.join(workdir, f"job{port}")
+    procs, logs = [], []
+    row: dict = {"model": job.model, "system": job.system, "hosts": job.hosts, "bandwidth": job.bandwidth,
+                 "rate_bps": job.rate, "emulated": cluster.emulated, "warmup": job.warmup}
+    start = time.monotonic()
+    try:
+        for host in hosts:
+            argv = host.exec_prefix() + [
+                sys.executable, "-m", "bagua.benchmarks.workload", "--system", job.system, "--model", job.model,
+                "--warmup", str(job.warmup), "--steps", str(job.steps), "--epochs", str(job.epochs),
+                "--batch-size", str(job.batch_size), "--iface", host.iface, "--out", out,
+            ]
+            log = f"{out}.rank{host.index}.log"
+            logs.append(log)
+            with open(log, "w") as f:
+                procs.append(netns.popen(argv, _child_env(host, hosts[0], port, job.hosts), f, f))
+        _wait_all(procs, start + timeout_s, row)
+    except OSError as exc:  # a failed start becomes a failed row
+        row.update(status="failed", error=str(exc)[-500:])
+    finally:
+        for proc in procs:  # no-op for finished ones; kills the rest of this job (and only this job)
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    row["wall_s"] = time.monotonic() - start
+    if "status" in row:
+        rank = int(row["error"].split()[1]) if row["error"].startswith("rank ") else 0
+        row["error"] += "\n" + _tail(logs[rank]) if rank < len(logs) else ""
+        return row
+    ranks = []
+    for host, log in zip(hosts, logs):
+        try:
+            with open(f"{out}.rank{host.index}.json") as f:
+                ranks.append(json.load(f))
+        except (OSError, ValueError):
+            row.update(status="failed", error=f"rank {host.index} gave no result:\n{_tail(log)}")
+            return row
+    row["status"] = "ok"
+    row.update(report.summarize_ranks(ranks, job.rate, cluster.emulated))
+    return row
+
+
+def _plan(args: argparse.Namespace, systems: list[str], rates: list[Optional[int]]) -> list[Job]:
+    jobs = []
+    for hosts in args.hosts:
+        for rate in rates:
+            warmup, steps = args.steps_at.get(rate, (args.warmup, args.steps))
+            for model in args.models:
+                for system in systems:
+                    jobs.append(Job(model, system, hosts, rate, warmup, steps, args.epochs, args.batch_size))
+    return jobs
+
+
+def run_suite(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Run every job of ``args``; return the result rows and the run's metadata."""
+    from tqdm import tqdm
+
+    systems = resolve_systems(args.systems)
+    rates = [netns.parse_rate(b) for b in args.bandwidths]
+    emulate, reason = (False, "--loopback was given") if args.loopback else netns.netns_available()
+    if not emulate:
+        print(f"bagua-bench: no network emulation ({reason}); falling back to loopback with no shaping, "
+              "unshaped bandwidth only", file=sys.stderr)
+        rates = [None]
+    meta = {"command": " ".join(["python -m bagua.benchmarks.network", *args.argv]), "emulated": emulate,
+            "fallback_reason": None if emulate else reason, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "machine": report.machine_info(), "systems": systems}
+    jobs = _plan(args, systems, rates)
+    rows: list[dict] = []
+    netns.install_signal_handlers()
+    with tempfile.TemporaryDirectory(prefix="bagua-bench-") as workdir, \
+            tqdm(total=len(jobs), desc="bagua-bench", unit="run", file=sys.stderr) as bar:
+        for hosts in args.hosts:
+            cluster = netns.NetnsCluster(hosts) if emulate else netns.LoopbackCluster(hosts)
+            with cluster:
+                for rate in rates:
+                    cluster.shape(netns.format_rate(rate))
+                    for job in [j for j in jobs if j.hosts == hosts and j.rate == rate]:
+                        bar.set_postfix_str(job.describe())
+                        port = (env.find_free_network_port() if not emulate else 20000 + len(rows) % 20000)
+                        rows.append(run_job(cluster, job, workdir, port, args.job_timeout))
+                        if rows[-1]["status"] != "ok":
+                            tqdm.write(f"{job.describe()}: {rows[-1]['status']}: {rows[-1].get('error', '')[-300:]}",
+                                       file=sys.stderr)
+                        if args.out_dir:
+                            report.write_results(args.out_dir, args.name, rows, meta, make_plot=False)
+                        bar.update()
+    meta["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return rows, meta
+
+
+def _parse_steps_at(items: Sequence[str]) -> dict[Optional[int], tuple[int, int]]:
+    out: dict[Optional[int], tuple[int, int]] = {}
+    for item in items:
+        rate, _, counts = item.partition("=")
+        warmup, _, steps = counts.partition(":")
+        if not (warmup.isdigit() and steps.isdigit()):
+            raise ValueError(f"--steps-at {item!r}: write RATE=WARMUP:STEPS, e.g. 100mbit=1:3")
+        out[netns.parse_rate(rate)] = (int(warmup), int(steps))
+    return out
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse the suite's command line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="bagua-bench", description=__doc__.splitlines()[0])
+    p.add_argument("--hosts", default="2", help="comma list of host counts, e.g. 2,4")
+    p.add_argument("--bandwidths", default="unshaped,10gbit,1gbit,100mbit", help="comma list of tc rates")
+    p.add_argument("--systems", default="all", help="'all' or a comma list (ddp, ddp_fp16, ddp_powersgd, "
+                                                     "Bagua algorithm names)")
+    p.add_argument("--models", default="mlp,digits", help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per run (synthetic models)")
+    p.add_argument("--steps-at", action="append", default=[], metavar="RATE=WARMUP:STEPS",
+                   help="other step counts at one rate, e.g. 100mbit=1:3 (repeatable)")
+    p.add_argument("--epochs", type=int, default=8, help="epochs of the digits model")
+    p.add_argument("--batch-size", type=int, default=32, help="per-host batch size")
+    p.add_argument("--job-timeout", type=float, default=900.0, help="seconds before a run is killed")
+    p.add_argument("--loopback", action="store_true", help="do not emulate a network even as root")
+    p.add_argument("--out-dir", default="bagua-bench-results", help="where JSON/CSV/PNG go ('' for none)")
+    p.add_argument("--name", default="network", help="file name stem of the results")
+    args = p.parse_args(argv)
+    args.argv = argv
+    args.hosts = [int(h) for h in args.hosts.split(",")]
+    args.bandwidths = [b.strip() for b in args.bandwidths.split(",") if b.strip()]
+    for b in args.bandwidths:
+        netns.parse_rate(b)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in args.models if m not in MODELS]
+    if unknown:
+        raise ValueError(f"unknown models {unknown}; available: {', '.join(MODELS)}")
+    if any(h < 2 for h in args.hosts):
+        raise ValueError(f"--hosts {args.hosts}: every host count must be at least 2")
+    args.steps_at = _parse_steps_at(args.steps_at)
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``bagua-bench`` and ``python -m bagua.benchmarks.network``."""
+    args = parse_args(argv)
+    rows, meta = run_suite(args)
+    rows = report.add_speedups(rows)
+    print(report.format_table(rows))
+    goals = report.check_goals(rows)
+    if goals:
+        print()
+        print(report.format_goals(goals))
+    if args.out_dir:
+        paths = report.write_results(args.out_dir, args.name, rows, meta, make_plot=True, goals=goals)
+        print("\nwrote " + ", ".join(paths))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Results of the network suite: per-run summary, speedups, goals, terminal table, JSON, CSV and a PNG plot.
+
+Words used in every output:
+
+- *step*: the median wall time of one training step (zero_grad, forward, backward, communication, optimizer
+  step) over the timed steps, taken on each host; the slowest host's median is reported.
+- *speedup*: DDP's step divided by the system's step, same model, hosts and bandwidth, same suite run.
+- *bytes/step*: bytes a host's interface transmitted per timed step (``/proc/net/dev``), averaged over hosts.
+  On the loopback fallback every process shares ``lo``, so it is the loopback total divided by the host count
+  and includes any other traffic on the machine (marked approximate).
+- *line rate*: bytes/step / (step x link rate): how much of its link a host kept busy.
+- Phases, per step: *compute* = median step of an unwrapped replica with no communication; *compress* =
+  estimated codec time (encode/decode passes of the algorithm, timed in-process); *communicate* = time
+  communication operations were running (union of Bagua bucket executions or DDP comm-hook futures) minus
+  compress; *wait* = step - compute, the time a step spends beyond its computation (communication not hidden
+  behind backward, and engine overhead).
+
+Example:
+    >>> rows = add_speedups([{"model": "mlp", "hosts": 2, "bandwidth": "1gbit", "system": "ddp", "status": "ok",
+    ...                       "step_s": 1.0}, {"model": "mlp", "hosts": 2, "bandwidth": "1gbit",
+    ...                       "system": "bytegrad", "status": "ok", "step_s": 0.25}])
+    >>> rows[1]["speedup"]
+    4.0
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import platform
+import statistics
+import textwrap
+from typing import Optional, Sequence
+
+__all__ = [
+    "summarize_ranks",
+    "add_speedups",
+    "check_goals",
+    "format_table",
+    "format_goals",
+    "write_results",
+    "plot",
+    "machine_info",
+    "GOALS",
+]
+
+#: (description, model, hosts, bandwidth, system, kind, target): kind "speedup_min" needs speedup >= target,
+#: "step_ratio_max" needs step / DDP step <= target.
+GOALS = [
+    ("ByteGrad >= 3x DDP at 1 Gbit/s (2 hosts)", "mlp", 2, "1gbit", "bytegrad", "speedup_min", 3.0),
+    ("ByteGrad >= 3.5x DDP at 100 Mbit/s (2 hosts)", "mlp", 2, "100mbit", "bytegrad", "speedup_min", 3.5),
+    ("gradient allreduce <= 1.05x DDP step, unshaped (2 hosts)", "mlp", 2, "unshaped", "gradient_allreduce",
+     "step_ratio_max", 1.05),
+    ("decentralized faster than DDP at 1 Gbit/s (4 hosts)", "mlp", 4, "1gbit", "decentralized", "speedup_min", 1.0),
+    ("low-precision decentralized faster than DDP at 1 Gbit/s (4 hosts)", "mlp", 4, "1gbit",
+     "low_precision_decentralized", "speedup_min", 1.0),
+]
+
+_BANDWIDTH_ORDER = ["unshaped", "10gbit", "1gbit", "100mbit"]
+
+
+def _median(values: Sequence[Optional[float]]) -> Optional[float]:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def summarize_ranks(ranks: list[dict], rate_bps: Optional[int], emulated: bool) -> dict:
+    """Combine the per-rank results of one run into the reported numbers (see the module docstring)."""
+    world = len(ranks)
+    step = max(r["median_step_s"] for r in ranks)
+    if emulated:
+        per_step = statistics.mean(r["tx_bytes"] / r["timed_steps"] for r in ranks)
+    else:
+        per_step = ranks[0]["tx_bytes"] / ranks[0]["timed_steps"] / world
+    compute = _median([r.get("compute_step_s") for r in ranks])
+    busy = _median([r.get("comm_busy_s") for r in ranks])
+    codec = _median([r.get("codec_s") for r in ranks])
+    accuracies = [r["accuracy"] for r in ranks if r.get("accuracy") is not None]
+    return {
+        "step_s": step,
+        "step_times_s": ranks[0]["step_times_s"],
+        "timed_steps": ranks[0]["timed_steps"],
+        "samples_per_s": world * ranks[0]["batch_size"] / step,
+        "bytes_per_step": per_step,
+        "bytes_approximate": not emulated,
+        "line_rate": per_step * 8 / (step * rate_bps) if rate_bps else None,
+        "compute_s": compute,
+        "compress_s": codec,
+        "communicate_s": max(busy - (codec or 0.0), 0.0) if busy is not None else None,
+        "wait_s": max(step - compute, 0.0) if compute is not None else None,
+        "accuracy": statistics.mean(accuracies) if accuracies else None,
+        "accuracy_min": min(accuracies) if accuracies else None,
+        "final_loss": statistics.mean(r["final_loss"] for r in ranks),
+        "params": ranks[0]["params"],
+        "notes": ranks[0].get("notes", []),
+    }
+
+
+def add_speedups(rows: list[dict]) -> list[dict]:
+    """Add ``speedup`` (DDP step / step) and ``step_ratio`` (step / DDP step) to every successful row."""
+    ddp = {(r["model"], r["hosts"], r["bandwidth"]): r["step_s"] for r in rows
+           if r["system"] == "ddp" and r.get("status") == "ok"}
+    for r in rows:
+        base = ddp.get((r["model"], r["hosts"], r["bandwidth"]))
+        ok = r.get("status") == "ok" and base is not None
+        r["speedup"] = base / r["step_s"] if ok else None
+        r["step_ratio"] = r["step_s"] / base if ok else None
+    return rows
+
+
+def check_goals(rows: list[dict]) -> list[dict]:
+    """Evaluate :data:`GOALS` against ``rows`` (after :func:`add_speedups`); goals not run are left out."""
+    out = []
+    for text, model, hosts, bandwidth, system, kind, target in GOALS:
+        match = [r for r in rows if (r["model"], r["hosts"], r["bandwidth"], r["system"]) ==
+                 (model, hosts, bandwidth, system) and r.get("speedup") is not None]
+        if not match:
+            continue
+        r = match[-1]
+        value = r["speedup"] if kind == "speedup_min" else r["step_ratio"]
+        met = value >= target if kind == "speedup_min" else value <= target
+        out.append({"goal": text, "measured": round(value, 3), "target": target, "kind": kind, "met": met})
+    return out
+
+
+def _fmt(value: Optional[float], spec: str, scale: float = 1.0) -> str:
+    return "-" if value is None else format(value * scale, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    """A fixed-width table of the rows, one line per run."""
+    head = ["model", "hosts", "bandwidth", "system", "step ms", "samples/s", "speedup", "MB/step", "line %",
+            "acc %", "compute", "compress", "comm", "wait", "status"]
+    lines = [head]
+    for r in rows:
+        ok = r.get("status") == "ok"
+        mb = _fmt(r.get("bytes_per_step"), ".1f", 1e-6) + ("~" if ok and r.get("bytes_approximate") else "")
+        lines.append([
+            r["model"], str(r["hosts"]), r["bandwidth"], r["system"],
+            _fmt(r.get("step_s"), ".1f", 1e3), _fmt(r.get("samples_per_s"), ".1f"), _fmt(r.get("speedup"), ".2f"),
+            mb if ok else "-", _fmt(r.get("line_rate"), ".0f", 100), _fmt(r.get("accuracy"), ".1f", 100),
+            _fmt(r.get("compute_s"), ".0f", 1e3), _fmt(r.get("compress_s"), ".0f", 1e3),
+            _fmt(r.get("communicate_s"), ".0f", 1e3), _fmt(r.get("wait_s"), ".0f", 1e3), r.get("status", "?"),
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
+    text = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
+            for line in lines]
+    text.insert(1, "-" * len(text[0]))
+    text.append("phases in ms per step; ~ = loopback estimate; see docs/benchmarks.md for definitions")
+    return "\n".join(text)
+
+
+def format_goals(goals: list[dict]) -> str:
+    """One line per goal: measured value, target, met or missed."""
+    lines = []
+    for g in goals:
+        unit = "x speedup" if g["kind"] == "speedup_min" else "x DDP step"
+        lines.append(f"{'MET   ' if g['met'] else 'MISSED'} {g['goal']}: measured {g['measured']:.2f}{unit} "
+                     f"(target {g['target']})")
+    return "\n".join(lines)
+
+
+def machine_info() -> dict:
+    """What the numbers were measured on (the load average shows whether the machine was shared)."""
+    import torch
+
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+            "loadavg_1_5_15": list(os.getloadavg())}
+
+
+def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_plot: bool = True,
+                  goals: Optional[list[dict]] = None) -> list[str]:
+    """Write ``<name>.json`` and ``<name>.csv`` (and ``<name>.png``) under ``out_dir``; return the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    rows = add_speedups(rows)
+    paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "csv")]
+    with open(paths[0], "w") as f:
+        json.dump({"meta": meta, "goals": goals if goals is not None else check_goals(rows), "results": rows}, f,
+                  indent=1)
+    columns = ["model", "hosts", "bandwidth", "system", "status", "step_s", "samples_per_s", "speedup",
+               "step_ratio", "bytes_per_step", "line_rate", "accuracy", "accuracy_min", "final_loss", "compute_s",
+               "compress_s", "communicate_s", "wait_s", "timed_steps", "warmup", "emulated", "error"]
+    with open(paths[1], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: r.get(k) for k in columns})
+    if make_plot and any(r.get("status") == "ok" for r in rows):
+        paths.append(plot(rows, os.path.join(out_dir, f"{name}.png"), title=meta.get("command", "")))
+    return paths
+
+
+def plot(rows: list[dict], path: str, title: str = "") -> str:
+    """Plot step time (top) and speedup over DDP (bottom) against bandwidth, one line per system, one column
+    per (model, hosts); return ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    panels = sorted({(r["model"], r["hosts"]) for r in ok})
+    systems = list(dict.fromkeys(r["system"] for r in ok))
+    fig, axes = plt.subplots(2, len(panels), figsize=(5.2 * len(panels), 7.5), squeeze=False)
+    markers = "os^vD<>pP*hX"
+    for col, (model, hosts) in enumerate(panels):
+        sub = [r for r in ok if (r["model"], r["hosts"]) == (model, hosts)]
+        bands = sorted({r["bandwidth"] for r in sub},
+                       key=lambda b: _BANDWIDTH_ORDER.index(b) if b in _BANDWIDTH_ORDER else len(_BANDWIDTH_ORDER))
+        for i, system in enumerate(systems):
+            pts = {r["bandwidth"]: r for r in sub if r["system"] == system}
+            xs = [j for j, b in enumerate(bands) if b in pts]
+            if not xs:
+                continue
+            style = {"marker": markers[i % len(markers)], "label": system,
+                     "linestyle": "--" if system.startswith("ddp") else "-"}
+            axes[0][col].plot(xs, [pts[bands[j]]["step_s"] * 1e3 for j in xs], **style)
+            sp = [(j, pts[bands[j]]["speedup"]) for j in xs if pts[bands[j]].get("speedup") is not None]
+            if sp:
+                axes[1][col].plot([j for j, _ in sp], [s for _, s in sp], **style)
+        for row, ylabel in ((0, "median step time (ms, log)"), (1, "speedup over DDP (x)")):
+            ax = axes[row][col]
+            ax.set_xticks(range(len(bands)))
+            ax.set_xticklabels(bands)
+            ax.set_xlabel("link bandwidth (tbf)")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+        axes[0][col].set_yscale("log")
+        axes[0][col].set_title(f"{model}, {hosts} hosts")
+        axes[1][col].axhline(1.0, color="grey", linewidth=0.8)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    for ax in axes.flat:
+        h, lab = ax.get_legend_handles_labels()
+        for hh, ll in zip(h, lab):
+            if ll not in labels:
+                handles.append(hh)
+                labels.append(ll)
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3 * len(panels)), frameon=False,
+               fontsize=8)
+    if title:
+        fig.suptitle(textwrap.fill(title, 60 * len(panels)), fontsize=7)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,443 @@
+"""The training job each emulated host runs: ``python -m bagua.benchmarks.workload --system S --model M ...``.
+
+One process per host, described by the usual launcher variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``, ``LOCAL_RANK=0``, ``LOCAL_WORLD_SIZE=1``) plus ``GLOO_SOCKET_IFNAME``. It trains ``--model``
+with ``--system`` and writes one JSON file per rank (``<out>.rank<r>.json``) with:
+
+- ``step_times_s``: wall time of every timed step (zero_grad + forward + backward + communication + optimizer
+  step), warm-up steps excluded;
+- ``tx_bytes``: bytes the host's interface sent during the timed steps (``/proc/net/dev``);
+- ``compute_step_s``: median step of an *unwrapped* replica of the model (same data, same optimizer type, no
+  communication), measured right after the timed steps on every rank at once: the compute phase;
+- ``comm_busy_s``: per timed step, the time during which communication operations were running (the union of
+  Bagua bucket executions, or of DDP comm-hook futures; ``None`` for plain DDP, whose C++ allreduce cannot be
+  timed from outside);
+- ``codec_s``: per step, the estimated compression cost (encode/decode of the gradient-sized tensor with the
+  algorithm's codec, timed in-process);
+- ``accuracy`` / ``final_loss`` for the digits model.
+
+Systems: ``ddp``, ``ddp_fp16`` (``fp16_compress_hook``), ``ddp_powersgd`` (``powerSGD_hook``, rank 1, vanilla
+allreduce in the first step as torch requires), and every name in Bagua's algorithm registry (``qadam`` gets its
+own ``QAdamOptimizer``).
+
+Example::
+
+    RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 \\
+        python -m bagua.benchmarks.workload --system gradient_allreduce --model tiny --steps 2 --out /tmp/r
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["MODELS", "DDP_SYSTEMS", "CODEC_PASSES", "available_systems", "build_model", "main"]
+
+DDP_SYSTEMS = ("ddp", "ddp_fp16", "ddp_powersgd")
+
+#: Compression work per step, in passes over the gradient: ``(encodes, decodes)`` of MinMaxUInt8 as a function
+#: of the world size ``n`` (ByteGrad/QAdam: encode all, decode all n received chunks, encode the reduced chunk,
+#: decode the gathered result), or a cast round trip for fp16.
+CODEC_PASSES: dict[str, Callable[[int], tuple[float, float]]] = {
+    "bytegrad": lambda n: (1 + 1 / n, 2.0),
+    "qadam": lambda n: (1 + 1 / n, 2.0),
+    "low_precision_decentralized": lambda n: (1.0, 2.0),
+    "ddp_fp16": lambda n: (1.0, 1.0),
+}
+
+
+# -- models and data -----------------------------------------------------------------------------------------
+
+
+class DigitsCNN(torch.nn.Module):
+    """A small CNN for 8x8 digits: conv 32, conv 64, pool, 256, 10 (about 0.28 M parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(),
+            torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+        )
+        self.head = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64 * 4 * 4, 256), torch.nn.ReLU(),
+                                        torch.nn.Linear(256, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x))
+
+
+def _mlp(widths: Sequence[int]) -> torch.nn.Module:
+    layers: list[torch.nn.Module] = []
+    for i in range(len(widths) - 1):
+        layers.append(torch.nn.Linear(widths[i], widths[i + 1]))
+        if i < len(widths) - 2:
+            layers.append(torch.nn.ReLU())
+    return torch.nn.Sequential(*layers)
+
+
+@dataclass
+class ModelSpec:
+    """A benchmark model: how to build it, its loss, and whether it trains on real data (digits)."""
+
+    build: Callable[[], torch.nn.Module]
+    in_shape: tuple[int, ...]
+    out_dim: int
+    classify: bool
+    description: str
+
+
+MODELS: dict[str, ModelSpec] = {
+    "mlp": ModelSpec(lambda: _mlp([1024, 4096, 4096, 1024]), (1024,), 1024, False,
+                     "comm-heavy MLP 1024-4096-4096-1024 (25.2 M params, 100.7 MB fp32), synthetic data, MSE, SGD"),
+    "digits": ModelSpec(DigitsCNN, (1, 8, 8), 10, True,
+                        "small CNN on sklearn digits (0.28 M params), cross-entropy, Adam; reports test accuracy"),
+    "tiny": ModelSpec(lambda: _mlp([32, 64, 32]), (32,), 32, False, "tiny MLP for tests (4.2 K params)"),
+}
+
+
+def build_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """Build the benchmark model ``name`` with weights drawn from ``seed``."""
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; available: {', '.join(MODELS)}")
+    torch.manual_seed(seed)
+    return MODELS[name].build()
+
+
+def _digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    data = load_digits()
+    x = torch.tensor(data.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(data.target, dtype=torch.int64)
+    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
+    return x_tr, y_tr, x_te, y_te
+
+
+def _batches(args: argparse.Namespace, rank: int, world: int) -> tuple[list, Optional[tuple]]:
+    """The training batches of this rank, in order (all epochs), and the test set for classifiers."""
+    spec = MODELS[args.model]
+    if not spec.classify:
+        g = torch.Generator().manual_seed(1000 + rank)
+        pool = [(torch.randn(args.batch_size, *spec.in_shape, generator=g),
+                 torch.randn(args.batch_size, spec.out_dim, generator=g)) for _ in range(4)]
+        return [pool[i % len(pool)] for i in range(args.warmup + args.steps)], None
+    x_tr, y_tr, x_te, y_te = _digits_split(args.seed)
+    sampler = torch.utils.data.DistributedSampler(range(len(x_tr)), num_replicas=world, rank=rank, shuffle=True,
+                                                  seed=args.seed, drop_last=True)
+    batches = []
+    for epoch in range(args.epochs):
+        sampler.set_epoch(epoch)
+        idx = torch.tensor(list(sampler))
+        for start in range(0, len(idx) - args.batch_size + 1, args.batch_size):
+            sel = idx[start:start + args.batch_size]
+            batches.append((x_tr[sel], y_tr[sel]))
+    return batches, (x_te, y_te)
+
+
+# -- systems -------------------------------------------------------------------------------------------------
+
+
+def available_systems() -> list[str]:
+    """``ddp``, ``ddp_fp16``, ``ddp_powersgd``, then every registered Bagua algorithm name."""
+    from bagua.torch_api.algorithms import GlobalAlgorithmRegistry
+
+    return list(DDP_SYSTEMS) + GlobalAlgorithmRegistry.available_algorithms()
+
+
+class _IntervalTimer:
+    """Collects (start, end) intervals from any thread; ``busy()`` is the length of their union."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._intervals: list[tuple[float, float]] = []
+
+    def add(self, start: float, end: float) -> None:
+        with self._lock:
+            self._intervals.append((start, end))
+
+    def take(self) -> float:
+        """Length of the union of the intervals collected since the last call; clears them."""
+        with self._lock:
+            intervals, self._intervals = sorted(self._intervals), []
+        total, cur_start, cur_end = 0.0, None, None
+        for start, end in intervals:
+            if cur_end is None or start > cur_end:
+                if cur_end is not None:
+                    total += cur_end - cur_start
+                cur_start, cur_end = start, end
+            else:
+                cur_end = max(cur_end, end)
+        if cur_end is not None:
+            total += cur_end - cur_start
+        return total
+
+
+@dataclass
+class System:
+    """A model wrapped for distributed training, with its optimizer and instrumentation."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    no_sync: Callable[[], ContextManager]
+    timer: Optional[_IntervalTimer]
+    before_step: Callable[[], None] = lambda: None
+    close: Callable[[], None] = lambda: None
+    notes: list[str] = field(default_factory=list)
+
+
+def _make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=lr) if kind == "adam" else torch.optim.SGD(params, lr=lr)
+
+
+def _timed_hook(hook: Callable, timer: _IntervalTimer) -> Callable:
+    """Wrap a DDP comm hook: record the interval from its call to the completion of its future."""
+
+    def wrapped(state: Any, bucket: Any) -> torch.futures.Future:
+        start = time.perf_counter()
+        future = hook(state, bucket)
+
+        def done(fut: torch.futures.Future) -> torch.Tensor:
+            timer.add(start, time.perf_counter())
+            return fut.value()
+
+        return future.then(done)
+
+    # DDP checks the hook's annotations; this module's are strings (``from __future__ import annotations``)
+    wrapped.__annotations__ = dict(hook.__annotations__)
+    return wrapped
+
+
+def _time_bagua_buckets(model: torch.nn.Module, timer: _IntervalTimer) -> None:
+    """Record each bucket execution (on the engine's comm thread) as an interval. Buckets are rebuilt when an
+    algorithm resets, so this runs before every step and wraps only buckets it has not wrapped yet."""
+    for bucket in model.bagua_ddp.bagua_buckets:
+        if getattr(bucket, "_bench_timed", False):
+            continue
+        execute = bucket.execute
+
+        def timed_execute(execute=execute) -> None:
+            start = time.perf_counter()
+            try:
+                execute()
+            finally:
+                timer.add(start, time.perf_counter())
+
+        bucket.execute = timed_execute  # instrumentation of this benchmark's own bucket objects only
+        bucket._bench_timed = True
+
+
+def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: float, total_steps: int) -> System:
+    """Wrap ``model`` for ``name`` (a DDP variant or a Bagua algorithm name) and build its optimizer."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    timer = _IntervalTimer()
+    if name in DDP_SYSTEMS:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        ddp = DDP(model)
+        notes: list[str] = []
+        if name == "ddp":
+            timer = None
+        elif name == "ddp_fp16":
+            ddp.register_comm_hook(None, _timed_hook(default_hooks.fp16_compress_hook, timer))
+        else:
+            # start_powerSGD_iter must be > 1 (DDP rebuilds its buckets after the first iteration)
+            state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+            ddp.register_comm_hook(state, _timed_hook(powerSGD_hook.powerSGD_hook, timer))
+            notes.append("PowerSGD rank 1, error feedback, vanilla allreduce in step 1")
+        return System(ddp, _make_optimizer(optimizer_kind, ddp.parameters(), lr), ddp.no_sync, timer, notes=notes)
+
+    from bagua.torch_api.algorithms import Algorithm, GlobalAlgorithmRegistry
+
+    notes = []
+    if name == "qadam":
+        from bagua.torch_api.algorithms.q_adam import QAdamOptimizer
+
+        warmup = max(1, total_steps // 5)
+        optimizer = QAdamOptimizer(model.parameters(), lr=lr if optimizer_kind == "adam" else 1e-3,
+                                   warmup_steps=warmup)
+        algorithm = GlobalAlgorithmRegistry.get("qadam")(optimizer)
+        notes.append(f"QAdamOptimizer, warmup_steps={warmup}")
+    else:
+        optimizer = _make_optimizer(optimizer_kind, model.parameters(), lr)
+        algorithm = Algorithm.init(name)
+    model = model.with_bagua([optimizer], algorithm)
+
+    def close() -> None:
+        impl = model.bagua_ddp.impl
+        if hasattr(impl, "abort"):  # async model averaging runs a background thread
+            impl.abort(model)
+        model.bagua_ddp.close()
+
+    return System(model, optimizer, model.bagua_ddp.no_sync, timer,
+                  before_step=lambda: _time_bagua_buckets(model, timer), close=close, notes=notes)
+
+
+# -- measurements --------------------------------------------------------------------------------------------
+
+
+def _loss_fn(classify: bool) -> Callable:
+    return torch.nn.functional.cross_entropy if classify else torch.nn.functional.mse_loss
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, x, y) -> float:
+    optimizer.zero_grad()
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    optimizer.step()
+    return float(loss.detach())
+
+
+def _median_compute_step(replica: torch.nn.Module, optimizer_kind: str, lr: float, loss_fn: Callable,
+                         batches: list, n: int) -> float:
+    optimizer = _make_optimizer(optimizer_kind, replica.parameters(), lr)
+    times = []
+    for i in range(n + 1):
+        x, y = batches[i % len(batches)]
+        start = time.perf_counter()
+        _step(replica, optimizer, loss_fn, x, y)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def _codec_seconds(system: str, numel: int, world: int, repeats: int = 2) -> Optional[float]:
+    """Estimated compression seconds per step for ``system`` (see :data:`CODEC_PASSES`)."""
+    if system not in CODEC_PASSES:
+        return 0.0 if system in ("ddp", "gradient_allreduce", "decentralized", "async") else None
+    encodes, decodes = CODEC_PASSES[system](world)
+    x = torch.randn(numel)
+    if system == "ddp_fp16":
+        enc = _best_of(lambda: x.half(), repeats)
+        half = x.half()
+        dec = _best_of(lambda: half.float(), repeats)
+    else:
+        from bagua.torch_api import compression
+
+        rows = max(world, 1)
+        length = -(-numel // rows)
+        xs = torch.zeros(rows * length)
+        xs[:numel] = x
+        xs = xs.view(rows, length)
+        wire = compression.wire_buffer(rows, length)
+        out = torch.empty_like(xs)
+        enc = _best_of(lambda: compression.encode_chunks(xs, wire), repeats)
+        dec = _best_of(lambda: compression.decode_chunks(wire, out), repeats)
+    return encodes * enc + decodes * dec
+
+
+def _best_of(fn: Callable[[], Any], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _evaluate(model: torch.nn.Module, test: tuple) -> float:
+    x_te, y_te = test
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        acc = float((model(x_te).argmax(dim=1) == y_te).float().mean())
+    model.train(was_training)
+    return acc
+
+
+# -- main ----------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    """Parse the workload's arguments."""
+    p = argparse.ArgumentParser(prog="python -m bagua.benchmarks.workload", description=__doc__.splitlines()[0])
+    p.add_argument("--system", required=True, help="ddp, ddp_fp16, ddp_powersgd or a Bagua algorithm name")
+    p.add_argument("--model", default="mlp", choices=sorted(MODELS))
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=5, help="timed steps (synthetic models)")
+    p.add_argument("--epochs", type=int, default=6, help="epochs (digits); every step after --warmup is timed")
+    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
+    p.add_argument("--lr", type=float, default=None, help="default: 0.01 (SGD) or 0.002 (Adam, digits)")
+    p.add_argument("--compute-steps", type=int, default=3, help="replica steps for the compute phase (0: skip)")
+    p.add_argument("--iface", default="lo", help="interface whose tx bytes are counted")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", required=True, help="results go to OUT.rank<r>.json")
+    args = p.parse_args(argv)
+    for key in ("warmup", "steps", "epochs", "batch_size", "threads"):
+        if getattr(args, key) < (0 if key == "warmup" else 1):
+            raise ValueError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    """Run the job on this host; write and return this rank's result."""
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    import bagua.torch_api as bagua
+    from bagua.benchmarks.netns import read_tx_bytes
+
+    bagua.init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = MODELS[args.model]
+    optimizer_kind = "adam" if spec.classify else "sgd"
+    lr = args.lr if args.lr is not None else (0.002 if spec.classify else 0.01)
+    batches, test = _batches(args, rank, world)
+    if len(batches) <= args.warmup:
+        raise ValueError(f"{len(batches)} steps in total but --warmup={args.warmup}: add epochs or steps")
+    model = build_model(args.model, args.seed)
+    replica = copy.deepcopy(model) if args.compute_steps else None
+    numel = sum(p.numel() for p in model.parameters())
+    system = make_system(args.system, model, optimizer_kind, lr, len(batches))
+    loss_fn = _loss_fn(spec.classify)
+
+    times, losses, tx_start, comm_busy = [], [], 0, 0.0
+    train_start = time.perf_counter()
+    for i, (x, y) in enumerate(batches):
+        if i == args.warmup:
+            dist.barrier()
+            tx_start = read_tx_bytes(args.iface)
+            if system.timer is not None:
+                system.timer.take()
+        system.before_step()
+        start = time.perf_counter()
+        losses.append(_step(system.model, system.optimizer, loss_fn, x, y))
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    tx_bytes = read_tx_bytes(args.iface) - tx_start
+    if system.timer is not None:
+        comm_busy = system.timer.take()
+    train_time = time.perf_counter() - train_start
+    system.close()
+    accuracy = _evaluate(system.model, test) if test is not None else None
+
+    dist.barrier()  # every rank measures compute and the codec at the same time, as in training
+    compute = (_median_compute_step(replica, optimizer_kind, lr, loss_fn, batches, args.compute_steps)
+               if replica is not None else None)
+    codec = _codec_seconds(args.system, numel, world)
+    result = {
+        "rank": rank, "world_size": world, "system": args.system, "model": args.model, "params": numel,
+        "batch_size": args.batch_size, "warmup": args.warmup, "timed_steps": len(times),
+        "step_times_s": times, "median_step_s": statistics.median(times), "tx_bytes": tx_bytes,
+        "iface": args.iface, "compute_step_s": compute, "codec_s": codec,
+        "comm_busy_s": comm_busy / len(times) if system.timer is not None else None,
+        "accuracy": accuracy, "final_loss": statistics.mean(losses[-5:]), "train_time_s": train_time,
+        "notes": system.notes,
+    }
+    with open(f"{args.out}.rank{rank}.json", "w") as f:
+        json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+if __name__ == "__main__":
+    main()
