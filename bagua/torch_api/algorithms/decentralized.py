@@ -1,0 +1,459 @@
+"""Decentralized SGD: every rank averages its *weights* with a few peers instead of allreducing gradients.
+
+Two algorithms, as in the original Bagua:
+
+- :class:`DecentralizedAlgorithm` (D-PSGD, https://arxiv.org/abs/1705.09056): every ``communication_interval``
+  steps, each rank sends a snapshot of its weights to its peers *while forward and backward run*; after backward
+  the weights are replaced by the peer average, then the optimizer steps with the gradient taken at the
+  pre-averaging weights::
+
+      x_{t+1} = W(x_t) - lr * g(x_t)
+
+  ``W`` is the peer average: ``all`` (exact global average), ``shift_one`` (pairs that change every round) or
+  ``ring`` (left and right neighbours, 1/3 each).
+- :class:`LowPrecisionDecentralizedAlgorithm` (https://arxiv.org/abs/1803.06443): after each optimizer step the
+  ranks of a ring exchange 8-bit MinMaxUInt8 *differences* and keep public replicas ``x̂`` of themselves and of
+  both neighbours, so only one byte per weight crosses the network.
+
+*Hierarchical* (both, when the group spans several nodes of several ranks): average inside each node, run the
+exchange among node leaders (so the peers are nodes), broadcast the result inside each node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from bagua.torch_api import communication as comm
+from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from bagua.torch_api.bucket import BaguaBucket
+from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.compression import decode_chunks, encode_chunks, wire_buffer
+from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.tensor import BaguaTensor, weight_tensor
+
+__all__ = [
+    "DecentralizedAlgorithm",
+    "DecentralizedAlgorithmImpl",
+    "LowPrecisionDecentralizedAlgorithm",
+    "LowPrecisionDecentralizedAlgorithmImpl",
+    "PEER_SELECTION_MODES",
+    "shift_one_peer",
+    "ring_neighbours",
+    "low_precision_ring_step",
+]
+
+PEER_SELECTION_MODES = ("all", "shift_one", "ring")
+
+
+# -- peer selection (pure functions) -------------------------------------------------------------------------
+
+
+def shift_one_peer(rank: int, nranks: int, step: int) -> int:
+    """Return the peer of ``rank`` in round ``step`` of ``shift_one`` (``nranks`` even).
+
+    The first half of the ranks is paired with the second half, shifted by one every round, so every pair
+    meets once every ``nranks / 2`` rounds; the pairing is symmetric (``peer(peer(r)) == r``).
+
+    Example:
+        >>> [shift_one_peer(r, 4, 0) for r in range(4)], [shift_one_peer(r, 4, 1) for r in range(4)]
+        ([2, 3, 0, 1], [3, 2, 1, 0])
+    """
+    half = nranks // 2
+    if rank < half:
+        return (step + rank) % ((nranks + 1) // 2) + half
+    return (rank - half - step) % half
+
+
+def ring_neighbours(rank: int, nranks: int) -> tuple[int, int]:
+    """Return ``(left, right)`` = ``(rank - 1, rank + 1)`` modulo ``nranks``.
+
+    Example:
+        >>> ring_neighbours(0, 4)
+        (3, 1)
+    """
+    return (rank - 1) % nranks, (rank + 1) % nranks
+
+
+def _exchange(send: torch.Tensor, peers: Sequence[int], c: BaguaCommunicator) -> dict[int, torch.Tensor]:
+    """Send ``send`` to every distinct peer (communicator ranks) and receive one tensor of its shape from each."""
+    distinct = sorted(set(peers))
+    received = {p: torch.empty_like(send) for p in distinct}
+    ops = [dist.P2POp(dist.isend, send, c.global_rank(p), c.group) for p in distinct]
+    ops += [dist.P2POp(dist.irecv, received[p], c.global_rank(p), c.group) for p in distinct]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return received
+
+
+def _peer_communicator(group: BaguaProcessGroup, hierarchical: bool) -> BaguaCommunicator:
+    """The communicator whose ranks are the peers: the node leaders when hierarchical, else the whole group."""
+    if hierarchical and group.is_hierarchical_possible():
+        return group.get_inter_node_communicator()
+    return group.get_global_communicator()
+
+
+def _run_among_peers(group: BaguaProcessGroup, hierarchical: bool, tensor: torch.Tensor, exchange: Callable) -> None:
+    """Run ``exchange(tensor, communicator)`` among peers; hierarchically: node average, leaders, broadcast."""
+    c = _peer_communicator(group, hierarchical)
+    if not (hierarchical and group.is_hierarchical_possible()):
+        if c.is_member() and c.nranks() > 1:
+            exchange(tensor, c)
+        return
+    intra = group.get_intra_node_communicator()
+    comm.reduce_inplace(tensor, 0, ReduceOp.AVG, intra)
+    if c.is_member() and c.nranks() > 1:
+        exchange(tensor, c)
+    comm.broadcast(tensor, 0, intra)
+
+
+# -- weights <-> flat buffers ----------------------------------------------------------------------------------
+
+
+def _copy_weights_into(bucket: BaguaBucket, out: torch.Tensor) -> None:
+    """Copy the bucket's current weights into the flat ``out``."""
+    if bucket.flat is not None and bucket.check_flatten():
+        out.copy_(bucket.flat)
+        return
+    offset = 0
+    for t in bucket.tensors:
+        out[offset : offset + t.numel()].copy_(t.effective().reshape(-1))
+        offset += t.numel()
+
+
+def _copy_weights_from(bucket: BaguaBucket, src: torch.Tensor) -> None:
+    """Overwrite the bucket's weights with the flat ``src``."""
+    if bucket.flat is not None and bucket.check_flatten():
+        bucket.flat.copy_(src)
+        return
+    offset = 0
+    for t in bucket.tensors:
+        t.effective().copy_(src[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+
+
+def _weight_tensors(bagua_ddp) -> list[BaguaTensor]:
+    """The parameters themselves (not their gradients), in reverse registration order."""
+    module_name = bagua_ddp.bagua_module_name
+    return [weight_tensor(p, name, module_name) for name, p in reversed(bagua_ddp.bagua_build_params())]
+
+
+def _one_bucket_per_dtype(tensors: Sequence[Sequence[BaguaTensor]], do_flatten: bool) -> list[BaguaBucket]:
+    by_dtype: dict[str, list[BaguaTensor]] = {}
+    for t in (t for group in tensors for t in group):
+        by_dtype.setdefault(str(t.dtype), []).append(t)
+    return [BaguaBucket(ts, name=str(i), flatten=do_flatten) for i, (_, ts) in enumerate(sorted(by_dtype.items()))]
+
+
+def _peer_count(group: BaguaProcessGroup, hierarchical: bool) -> int:
+    return _peer_communicator(group, hierarchical).nranks()
+
+
+# -- full precision -----------------------------------------------------------------------------------------
+
+
+def _mix_all(tensor: torch.Tensor, c: BaguaCommunicator, step: int) -> None:
+    comm.allreduce_inplace(tensor, ReduceOp.AVG, c)
+
+
+def _mix_shift_one(tensor: torch.Tensor, c: BaguaCommunicator, step: int) -> None:
+    peer = shift_one_peer(c.rank(), c.nranks(), step)
+    received = _exchange(tensor, [peer], c)
+    tensor.add_(received[peer]).div_(2)
+
+
+def _mix_ring(tensor: torch.Tensor, c: BaguaCommunicator, step: int) -> None:
+    left, right = ring_neighbours(c.rank(), c.nranks())
+    received = _exchange(tensor, [left, right], c)
+    # with two ranks both neighbours are the same rank: its weights count twice, as in the 3-rank formula
+    tensor.add_(received[left]).add_(received[right]).div_(3)
+
+
+_MIXERS = {"all": _mix_all, "shift_one": _mix_shift_one, "ring": _mix_ring}
+
+
+class DecentralizedAlgorithmImpl(AlgorithmImpl):
+    """Decentralized SGD bound to a group; see :class:`DecentralizedAlgorithm`."""
+
+    def __init__(
+        self,
+        process_group: BaguaProcessGroup,
+        hierarchical: bool = True,
+        peer_selection_mode: str = "all",
+        communication_interval: int = 1,
+    ) -> None:
+        super().__init__(process_group)
+        # user hyper-parameters
+        self.hierarchical = hierarchical
+        self.peer_selection_mode = peer_selection_mode
+        self.communication_interval = communication_interval
+        # internal state: one peer-weight buffer per bucket; rounds done (drives shift_one's pairing)
+        self._peer_weight: dict[str, torch.Tensor] = {}
+        self._round = 0
+        self._communicating = False
+
+    def _should_communicate(self, bagua_ddp) -> bool:
+        # the engine counts the step before this hook, so step 1 (the first) communicates
+        return (bagua_ddp.bagua_train_step_counter - 1) % self.communication_interval == 0
+
+    def init_tensors(self, bagua_ddp) -> list[BaguaTensor]:
+        return _weight_tensors(bagua_ddp)
+
+    def tensors_to_buckets(self, tensors: Sequence[Sequence[BaguaTensor]], do_flatten: bool) -> list[BaguaBucket]:
+        return _one_bucket_per_dtype(tensors, do_flatten)
+
+    def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
+        bucket.clear_ops()
+        peer_weight = torch.zeros(bucket.numel + bucket.padding, dtype=bucket.dtype, device=bucket.device)
+        self._peer_weight[bucket.name] = peer_weight
+        mix = _MIXERS[self.peer_selection_mode]
+
+        def decentralized_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
+            # works on the snapshot taken before forward, so the live weights are only read by forward/backward
+            step = self._round
+            _run_among_peers(self.process_group, self.hierarchical, peer_weight, lambda t, c: mix(t, c, step))
+
+        bucket.append_op(decentralized_op)
+
+    def init_forward_pre_hook(self, bagua_ddp) -> Callable[[Any], None]:
+        def hook(inputs: Any) -> None:
+            # a previous forward without backward may have left an exchange in flight: let it finish first
+            bagua_ddp.wait_pending_comm_ops()
+            self._communicating = self._should_communicate(bagua_ddp)
+            if not self._communicating:
+                return
+            for bucket in bagua_ddp.bagua_buckets:
+                _copy_weights_into(bucket, self._peer_weight[bucket.name])
+            for bucket in bagua_ddp.bagua_buckets:
+                bagua_ddp.mark_bucket_ready(bucket)
+
+        return hook
+
+    def init_backward_hook(self, bagua_ddp) -> Callable[[str, torch.Tensor], None]:
+        return lambda name, param: None
+
+    def init_post_backward_hook(self, bagua_ddp) -> Callable[[], None]:
+        def hook() -> None:
+            if not self._communicating:
+                return
+            bagua_ddp.wait_pending_comm_ops()
+            with torch.no_grad():
+                for bucket in bagua_ddp.bagua_buckets:
+                    _copy_weights_from(bucket, self._peer_weight[bucket.name])
+            self._communicating = False
+            self._round += 1
+
+        return hook
+
+
+def _check_peer_mode(peer_selection_mode: str) -> None:
+    if peer_selection_mode not in PEER_SELECTION_MODES:
+        raise ValueError(
+            f"unknown peer_selection_mode {peer_selection_mode!r}; available: {', '.join(PEER_SELECTION_MODES)}"
+        )
+
+
+def _check_interval(communication_interval: int) -> None:
+    if not isinstance(communication_interval, int) or communication_interval < 1:
+        raise ValueError(
+            f"communication_interval must be an integer >= 1 (communicate every that many steps), "
+            f"got {communication_interval!r}"
+        )
+
+
+@GlobalAlgorithmRegistry.register("decentralized", description="decentralized SGD: average weights with peers")
+@dataclass
+class DecentralizedAlgorithm(Algorithm):
+    """Average weights with peers every ``communication_interval`` steps (D-PSGD).
+
+    Steps of a communicating iteration:
+
+    1. before forward, snapshot the weights and start the peer exchange on the communication thread;
+    2. forward and backward run at the snapshot's weights, overlapping the exchange;
+    3. after backward, wait for the exchange and overwrite the weights with the peer average;
+    4. ``optimizer.step()`` applies the gradient of step 2 to the averaged weights.
+
+    Args:
+        hierarchical: average inside each node first and exchange among node leaders (then the peers of
+            ``shift_one`` and ``ring`` are nodes).
+        peer_selection_mode: ``"all"`` (global average), ``"shift_one"`` (one peer per round; needs an even
+            number of peers) or ``"ring"`` (left and right neighbours, 1/3 each).
+        communication_interval: communicate every that many steps.
+
+    Example:
+        >>> from bagua.torch_api.algorithms import decentralized
+        >>> algorithm = decentralized.DecentralizedAlgorithm(peer_selection_mode="shift_one")
+        >>> model = model.with_bagua([optimizer], algorithm)  # doctest: +SKIP
+    """
+
+    hierarchical: bool = True
+    peer_selection_mode: str = "all"
+    communication_interval: int = 1
+
+    def __post_init__(self) -> None:
+        _check_peer_mode(self.peer_selection_mode)
+        _check_interval(self.communication_interval)
+
+    def reify(self, process_group: BaguaProcessGroup) -> DecentralizedAlgorithmImpl:
+        n = _peer_count(process_group, self.hierarchical)
+        if self.peer_selection_mode == "shift_one" and n > 1 and n % 2:
+            what = "nodes (hierarchical=True exchanges among node leaders)" if (
+                self.hierarchical and process_group.is_hierarchical_possible()
+            ) else "ranks"
+            raise ValueError(
+                f"peer_selection_mode='shift_one' pairs peers and needs an even number of them, got {n} {what}; "
+                "use an even number of ranks/nodes, peer_selection_mode='all' or 'ring'"
+                + (", or hierarchical=False" if what.startswith("nodes") else "")
+            )
+        return DecentralizedAlgorithmImpl(
+            process_group,
+            hierarchical=self.hierarchical,
+            peer_selection_mode=self.peer_selection_mode,
+            communication_interval=self.communication_interval,
+        )
+
+
+# -- low precision ------------------------------------------------------------------------------------------
+
+
+class _Replicas:
+    """Per-bucket state of low-precision decentralized SGD (float32, flat).
+
+    Fields: ``mine`` (x̂_i, my public copy), ``left`` / ``right`` (x̂ of my ring neighbours), and scratch
+    buffers ``diff`` (d), ``decoded`` and ``wire`` (the 8-bit message).
+    """
+
+    __slots__ = ("mine", "left", "right", "diff", "decoded", "wire")
+
+    def __init__(self, x: torch.Tensor) -> None:
+        xf = x.detach().float()
+        self.mine = xf.clone()
+        self.left = xf.clone()
+        self.right = xf.clone()
+        self.diff = torch.empty_like(self.mine)
+        self.decoded = torch.empty_like(self.mine)
+        self.wire = wire_buffer(1, x.numel(), x.device)
+
+
+def low_precision_ring_step(x: torch.Tensor, r: _Replicas, c: BaguaCommunicator) -> None:
+    """One ring round of low-precision decentralized SGD on the flat weights ``x``, in place.
+
+    1. ``d = x + x̂_l/3 + x̂_r/3 - 5/3 x̂_i`` = (local progress) + (ring average of replicas - x̂_i);
+    2. ``C = Q(d)``: MinMaxUInt8 over the whole bucket (one chunk);
+    3. send ``C`` to both neighbours, receive theirs (``C_l``, ``C_r``);
+    4. ``x̂_l += D(C_l)``, ``x̂_r += D(C_r)``, ``x̂_i += D(C)``, ``x = x̂_i``.
+
+    Every rank decodes the same bytes, so a rank's ``x̂_i`` and its neighbours' copies of it stay identical.
+    """
+    xf = x if x.dtype == torch.float32 else x.float()
+    torch.add(xf, r.left / 3, out=r.diff)
+    r.diff.add_(r.right / 3).sub_(r.mine * (5 / 3))
+    encode_chunks(r.diff.view(1, -1), r.wire)
+    left, right = ring_neighbours(c.rank(), c.nranks())
+    received = _exchange(r.wire, [left, right], c)
+    for replica, peer in ((r.left, left), (r.right, right)):
+        decode_chunks(received[peer], r.decoded.view(1, -1))
+        replica.add_(r.decoded)
+    decode_chunks(r.wire, r.decoded.view(1, -1))
+    r.mine.add_(r.decoded)
+    x.copy_(r.mine)
+
+
+class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
+    """Low-precision decentralized SGD bound to a group; see :class:`LowPrecisionDecentralizedAlgorithm`."""
+
+    def __init__(self, process_group: BaguaProcessGroup, hierarchical: bool = True, communication_interval: int = 1):
+        super().__init__(process_group)
+        # user hyper-parameters
+        self.hierarchical = hierarchical
+        self.communication_interval = communication_interval
+        # internal state: replicas per bucket; parameters stepped by an optimizer in this iteration
+        self._replicas: dict[str, _Replicas] = {}
+        self._stepped: set[int] = set()
+
+    def init_tensors(self, bagua_ddp) -> list[BaguaTensor]:
+        in_optimizer = {id(p) for o in bagua_ddp.bagua_optimizers for g in o.param_groups for p in g["params"]}
+        missing = [name for name, p in bagua_ddp.bagua_build_params() if id(p) not in in_optimizer]
+        if missing:
+            raise RuntimeError(
+                f"low_precision_decentralized communicates after optimizer.step(), but parameters {missing} are "
+                "in no optimizer given to with_bagua; add them to an optimizer, or exclude them by listing their "
+                "names in model._bagua_params_and_buffers_to_ignore"
+            )
+        return _weight_tensors(bagua_ddp)
+
+    def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
+        bucket.clear_ops()
+        replicas = _Replicas(bucket.flattened_tensor())
+        self._replicas[bucket.name] = replicas
+
+        def low_precision_decentralized_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
+            _run_among_peers(
+                self.process_group, self.hierarchical, flat, lambda t, c: low_precision_ring_step(t, replicas, c)
+            )
+
+        bucket.append_op(low_precision_decentralized_op)
+
+    def init_forward_pre_hook(self, bagua_ddp) -> Callable[[Any], None]:
+        def hook(inputs: Any) -> None:
+            self._stepped.clear()
+
+        return hook
+
+    def init_backward_hook(self, bagua_ddp) -> Callable[[str, torch.Tensor], None]:
+        return lambda name, param: None
+
+    def init_post_backward_hook(self, bagua_ddp) -> Callable[[], None]:
+        return lambda: None
+
+    def init_post_optimizer_step_hook(self, bagua_ddp) -> Callable[[torch.optim.Optimizer], None]:
+        def hook(optimizer: torch.optim.Optimizer) -> None:
+            if (bagua_ddp.bagua_train_step_counter - 1) % self.communication_interval != 0:
+                return
+            self._stepped.update(id(p) for g in optimizer.param_groups for p in g["params"])
+            # with several optimizers, communicate once all of the model's weights have been stepped
+            if any(id(t.param) not in self._stepped for b in bagua_ddp.bagua_buckets for t in b.tensors):
+                return
+            self._stepped.clear()
+            with torch.no_grad():
+                for bucket in bagua_ddp.bagua_buckets:
+                    bagua_ddp.mark_bucket_ready(bucket)
+                bagua_ddp.wait_pending_comm_ops()
+
+        return hook
+
+
+@GlobalAlgorithmRegistry.register(
+    "low_precision_decentralized", description="decentralized SGD on a ring with 8-bit weight differences"
+)
+@dataclass
+class LowPrecisionDecentralizedAlgorithm(Algorithm):
+    """Decentralized SGD on a ring exchanging 8-bit (MinMaxUInt8) weight differences after every step.
+
+    See :func:`low_precision_ring_step` for the numbered steps of one round, which runs after
+    ``optimizer.step()`` every ``communication_interval`` steps. Every parameter must belong to one of the
+    optimizers given to ``with_bagua``.
+
+    Args:
+        hierarchical: average inside each node first and run the ring among node leaders.
+        communication_interval: communicate every that many steps.
+
+    Example:
+        >>> from bagua.torch_api.algorithms import decentralized
+        >>> algorithm = decentralized.LowPrecisionDecentralizedAlgorithm()
+        >>> model = model.with_bagua([optimizer], algorithm)  # doctest: +SKIP
+    """
+
+    hierarchical: bool = True
+    communication_interval: int = 1
+
+    def __post_init__(self) -> None:
+        _check_interval(self.communication_interval)
+
+    def reify(self, process_group: BaguaProcessGroup) -> LowPrecisionDecentralizedAlgorithmImpl:
+        return LowPrecisionDecentralizedAlgorithmImpl(
+            process_group, hierarchical=self.hierarchical, communication_interval=self.communication_interval
+        )
