@@ -460,3 +460,64 @@ def test_mutual_runs():
     assert mutual_runs([params]) == [range(0, 3), range(3, 4), range(4, 5)]
     assert mutual_runs([params, grads]) == [range(0, 2), range(2, 3), range(3, 4), range(4, 5)]
     assert mutual_runs([[]]) == []
+
+
+# -- with_bagua: fused and unfused optimizers give the same weights under gradient allreduce and ByteGrad --------
+
+# (algorithm, fuse before with_bagua, with_bagua's do_flatten, zero_grad(set_to_none))
+WITH_BAGUA_CASES = [
+    ("gradient_allreduce", True, False, False),
+    ("gradient_allreduce", False, False, True),
+    ("gradient_allreduce", True, True, False),
+    ("bytegrad", True, False, False),
+    ("bytegrad", False, True, True),
+]
+
+
+def _train_with_bagua(rank, algorithm, fused, fuse_first, bagua_flatten, set_to_none):
+    from tests.torch_api.models import batch, make_model
+
+    model = make_model(rank)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    if fused and fuse_first:
+        fuse_optimizer(opt)
+    model = model.with_bagua([opt], algorithm, do_flatten=bagua_flatten)
+    if fused and not fuse_first:
+        fuse_optimizer(opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gradients are replaced every step when set_to_none
+        for step in range(STEPS):
+            opt.zero_grad(set_to_none=set_to_none)
+            x, y = batch(rank, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.fuse_step() if fused else opt.step()
+    if fused:
+        assert opt._bagua_fused_count == STEPS
+    model.bagua_ddp.close()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _worker_with_bagua(rank, world_size, cases):
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+
+    algorithms = {"gradient_allreduce": GradientAllReduceAlgorithm, "bytegrad": ByteGradAlgorithm}
+    out = []
+    for name, fuse_first, bagua_flatten, set_to_none in cases:
+        out.append([
+            _train_with_bagua(rank, algorithms[name](), fused, fuse_first, bagua_flatten, set_to_none)
+            for fused in (False, True)
+        ])
+    return out
+
+
+def test_with_bagua_matches_unfused():
+    """Two ranks, one spawn for every case (spawning dominates the cost): fused weights equal unfused, bitwise."""
+    from tests.harness import run_workers
+
+    results = run_workers(_worker_with_bagua, 2, WITH_BAGUA_CASES, timeout=240)
+    for c, case in enumerate(WITH_BAGUA_CASES):
+        for rank in range(2):
+            unfused, fused = results[rank][c]
+            assert all(torch.equal(a, b) for a, b in zip(unfused, fused)), f"rank {rank}, case {case}"
+        assert all(torch.equal(a, b) for a, b in zip(results[0][c][1], results[1][c][1])), f"ranks differ, {case}"

@@ -19,6 +19,7 @@ are not elementwise and give different results; ``LBFGS``, ``SparseAdam``, ``Ada
 
 from __future__ import annotations
 
+import operator
 import types
 import warnings
 from collections import defaultdict
@@ -285,16 +286,20 @@ class _Fuser:
         return codes
 
     def _check_segment(self, seg: Segment) -> Optional[bytearray]:
+        # the common case in C-level loops: every gradient is its flat view and no parameter moved
+        grads = list(map(_GRAD, seg.params))
+        moved = []
+        if self.check_flatten and list(map(torch.Tensor.data_ptr, seg.params)) != seg.param_ptrs:
+            moved = [i for i, p in enumerate(seg.params) if p.data_ptr() != seg.param_ptrs[i]]
+        if not moved and all(map(operator.is_, grads, seg.grad_views)):
+            return bytearray(seg.eligible)
         codes = bytearray(len(seg.params))
-        replaced, moved, check = [], [], self.check_flatten
-        for i, (p, view) in enumerate(zip(seg.params, seg.grad_views)):
-            g = p.grad
+        replaced = []
+        for i, (g, view) in enumerate(zip(grads, seg.grad_views)):
             if g is view:
                 codes[i] = seg.eligible[i]
             elif g is not None:
                 replaced.append(i)
-            if check and p.data_ptr() != seg.param_ptrs[i]:
-                moved.append(i)
         if moved:
             if not seg.owned or not self._restore_params(seg, moved):
                 return None
@@ -473,6 +478,7 @@ class _Fuser:
 
 
 _MISSING = object()
+_GRAD = operator.attrgetter("grad")
 
 
 def _same(a: Any, b: Any) -> bool:

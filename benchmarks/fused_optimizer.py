@@ -1,0 +1,150 @@
+"""Optimizer step time: fused (``fuse_optimizer`` + ``fuse_step``) vs unfused, torch foreach and torch fused.
+
+For Adam(foreach=False), SGD with momentum and a user-written Lion (a per-parameter Python loop), it steps
+``--params`` parameters of ``--shape`` with fixed gradients and times one ``step()`` per variant, round-robin
+(variant A, B, C, D, A, B, ...), so that a noisy shared machine slows every variant alike; it prints the median
+of ``--steps`` timings per variant and the ratios, and writes them as JSON with ``--out``.
+
+Variants: ``unfused`` (``foreach=False``, the per-parameter loop), ``fused`` (the same optimizer after
+``fuse_optimizer``), ``foreach`` (torch ``foreach=True``) and ``torch_fused`` (torch ``fused=True``); the last two
+exist only for torch's Adam and SGD. ``fused_new_grads`` is the fused step when every gradient is a new tensor
+(``zero_grad()`` with the default ``set_to_none=True``), which costs one copy into the flat gradient.
+
+Usage:
+    python benchmarks/fused_optimizer.py                      # CPU, torch's default thread count
+    python benchmarks/fused_optimizer.py --threads 1 --out fused_1t.json
+    python benchmarks/fused_optimizer.py --device cuda --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from bagua.torch_api.contrib import fuse_optimizer
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023, arXiv 2302.06675) as users write it: a Python loop over parameters."""
+
+    def __init__(self, params, lr=1e-4, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                m = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(m.mul(b1).add_(p.grad, alpha=1 - b1).sign_(), alpha=-group["lr"])
+                m.mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+OPTIMIZERS = {
+    "adam": lambda ps, **kw: torch.optim.Adam(ps, lr=1e-3, **kw),
+    "sgd_momentum": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, **kw),
+    "lion": lambda ps, **kw: Lion(ps, lr=1e-4, weight_decay=0.01),
+}
+
+
+def make_params(n, shape, device):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(device)) for _ in range(n)]
+    for p in params:
+        p.grad = torch.randn(shape, generator=gen).to(device)
+    return params
+
+
+def variants(name, n, shape, device, chunk_bytes):
+    """Return ``{variant: step callable}`` for one optimizer; each variant owns its parameters."""
+    make = OPTIMIZERS[name]
+    out = {}
+    plain = make(make_params(n, shape, device), foreach=False)
+    out["unfused"] = plain.step
+    fused = fuse_optimizer(make(make_params(n, shape, device), foreach=False), chunk_bytes=chunk_bytes)
+    out["fused"] = fused.fuse_step
+    fresh = fuse_optimizer(make(make_params(n, shape, device), foreach=False), chunk_bytes=chunk_bytes)
+    grads = [p.grad.clone() for p in fresh.param_groups[0]["params"]]
+
+    def fused_new_grads():
+        for p, g in zip(fresh.param_groups[0]["params"], grads):
+            p.grad = g  # a tensor outside the flat buffer, as after zero_grad() + backward
+        fresh.fuse_step()
+
+    out["fused_new_grads"] = fused_new_grads
+    if name != "lion":
+        out["foreach"] = make(make_params(n, shape, device), foreach=True).step
+        try:
+            out["torch_fused"] = make(make_params(n, shape, device), fused=True).step
+        except (RuntimeError, ValueError) as err:  # fused=True is not implemented for every device
+            print(f"{name}: fused=True unavailable on {device}: {err}")
+    return out
+
+
+def time_round_robin(steps_by_variant, steps, warmup, device):
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    times = {v: [] for v in steps_by_variant}
+    for i in range(warmup + steps):
+        for v, step in steps_by_variant.items():
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            if i >= warmup:
+                times[v].append((time.perf_counter() - t0) * 1e3)
+    return {v: statistics.median(ts) for v, ts in times.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=2000)
+    parser.add_argument("--shape", type=int, nargs="+", default=[64, 64])
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per variant (median reported)")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--chunk-bytes", type=int, default=None, help="fuse_optimizer chunk_bytes (default: auto)")
+    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    shape = tuple(args.shape)
+    results = {}
+    for name in args.optimizers:
+        results[name] = time_round_robin(
+            variants(name, args.params, shape, args.device, args.chunk_bytes), args.steps, args.warmup, args.device
+        )
+
+    print(f"\n{args.params} params of {shape}, {args.device}, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}, median of {args.steps} steps (ms)")
+    cols = ["unfused", "fused", "fused_new_grads", "foreach", "torch_fused"]
+    print(f"{'optimizer':<14}" + "".join(f"{c:>16}" for c in cols)
+          + f"{'unfused/fused':>15}{'foreach/fused':>15}{'fused/torch_fused':>19}")
+    for name, r in results.items():
+        ratio = lambda a, b: f"{r[a] / r[b]:.2f}x" if a in r and b in r else "-"  # noqa: E731
+        print(f"{name:<14}" + "".join(f"{r[c]:>16.2f}" if c in r else f"{'-':>16}" for c in cols)
+              + f"{ratio('unfused', 'fused'):>15}{ratio('foreach', 'fused'):>15}{ratio('fused', 'torch_fused'):>19}")
+    if args.out:
+        meta = dict(params=args.params, shape=list(shape), device=args.device, threads=torch.get_num_threads(),
+                    steps=args.steps, chunk_bytes=args.chunk_bytes, torch=torch.__version__,
+                    machine=platform.machine(), processor=platform.processor())
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "median_ms": results}, f, indent=2)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
