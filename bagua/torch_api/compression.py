@@ -1,21 +1,30 @@
 """MinMaxUInt8: the 8-bit codec of ByteGrad, QAdam and low-precision decentralized SGD, as pure tensor functions.
 
-Per chunk, with ``eps = 1e-7``::
+Per chunk, with ``eps = 1e-7`` (all in float32)::
 
     scale = 255 / (max - min + eps);  upper = round(max * scale);  lower = upper - 255
     encode: q = uint8(min(round(x * scale), upper) - lower)
     decode: x' = (q + lower) / scale
 
-so ``|x - x'| <= (max - min + eps) / 510`` (half a quantization step). The wire format of ``n`` chunks of ``L``
-elements is one ``uint8`` tensor of shape ``(n, 8 + L)``: each row starts with the chunk's min and max as two
-float32 (8 bytes), followed by its ``L`` codes, so a whole bucket travels in a single collective.
+so ``|x - x'| <= (max - min + eps) / 510`` (half a quantization step) up to float32 rounding. The wire format of
+``n`` chunks of ``L`` elements is one ``uint8`` tensor of shape ``(n, 8 + L)``: each row starts with the chunk's
+min and max as two float32 (8 bytes), followed by its ``L`` codes, so a whole bucket travels in a single
+collective.
+
+Speed: on CPU every function works row by row with the row's ``scale`` and ``lower`` as Python scalars and
+streams the row through a small float32 scratch block (:data:`BLOCK` elements), so each element is read once
+from memory and written once; the float passes (multiply, round, shift, clamp) run in cache. The result is
+bit-identical to the whole-tensor formulas above, which other devices use. ``clamp(round(x*scale) - lower, 0,
+255)`` is how the encoder writes ``min(round(x*scale), upper) - lower``: the two are equal (``upper - lower =
+255`` exactly) and the clamp also keeps the ``uint8`` cast defined for chunks whose range is tiny compared with
+their magnitude, where float32 cannot hold ``x*scale`` to the unit.
 
 Example:
     >>> x = torch.randn(2, 1000)
-    >>> wire = torch.empty(2, 8 + 1000, dtype=torch.uint8)
+    >>> wire = wire_buffer(2, 1000)
     >>> encode_chunks(x, wire)
     >>> y = torch.empty_like(x); decode_chunks(wire, y)
-    >>> bool(((x - y).abs() <= (x.amax(1, True) - x.amin(1, True)) / 510 + 1e-6).all())
+    >>> bool(((x - y).abs() <= quantization_error_bound(x)[:, None] + 1e-6).all())
     True
 """
 
@@ -25,61 +34,242 @@ from typing import Optional
 
 import torch
 
-__all__ = ["EPS", "HEADER_BYTES", "wire_buffer", "encode_chunks", "decode_chunks", "quantization_error_bound"]
+__all__ = [
+    "EPS",
+    "HEADER_BYTES",
+    "BLOCK",
+    "wire_buffer",
+    "scratch_buffer",
+    "chunk_minmax",
+    "encode_chunks",
+    "decode_chunks",
+    "decode_sum_chunks",
+    "quantization_error_bound",
+]
 
 EPS = 1e-7
 HEADER_BYTES = 8
+#: Elements per cache block on CPU (1 MiB of float32: fits the L2/L3 of current x86 cores).
+BLOCK = 1 << 18
 
 
 def wire_buffer(n_chunks: int, chunk_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Allocate the ``(n_chunks, 8 + chunk_len)`` uint8 wire buffer."""
+    """Allocate the ``(n_chunks, 8 + chunk_len)`` uint8 wire buffer.
+
+    Example:
+        >>> wire_buffer(4, 10).shape
+        torch.Size([4, 18])
+    """
     return torch.empty(n_chunks, HEADER_BYTES + chunk_len, dtype=torch.uint8, device=device)
 
 
+def scratch_buffer(chunk_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Allocate a float32 scratch buffer large enough for every function of this module on ``device``.
+
+    On CPU that is one block (:data:`BLOCK` elements at most); on other devices a whole chunk row.
+
+    Example:
+        >>> scratch_buffer(10).numel()
+        10
+    """
+    n = min(chunk_len, BLOCK) if torch.device(device).type == "cpu" else chunk_len
+    return torch.empty(max(n, 1), dtype=torch.float32, device=device)
+
+
 def _scale_lower(minmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-chunk ``scale`` and ``lower`` (shape ``(n, 1)``, float32) from ``(n, 2)`` min/max."""
+    """Per-chunk ``scale`` and ``lower`` (shape ``(n, 1)``, float32) from ``(n, 2)`` float32 min/max."""
     mn, mx = minmax[:, 0:1], minmax[:, 1:2]
     scale = 255.0 / (mx - mn + EPS)
     upper = torch.round(mx * scale)
     return scale, upper - 255.0
 
 
-def encode_chunks(x: torch.Tensor, wire: torch.Tensor, work: Optional[torch.Tensor] = None) -> None:
+def _header(wire: torch.Tensor) -> torch.Tensor:
+    """The ``(n, 2)`` float32 min/max stored at the start of every row of ``wire``."""
+    n = wire.shape[0]
+    return wire[:, :HEADER_BYTES].reshape(-1).view(torch.float32).view(n, 2)
+
+
+def _scratch(work: Optional[torch.Tensor], numel: int, device: torch.device) -> torch.Tensor:
+    if work is not None and work.dtype == torch.float32 and work.is_contiguous() and work.numel() >= numel:
+        return work.view(-1)[:numel]
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def _blocked(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu"
+
+
+def _check_wire(wire: torch.Tensor, n: int, length: int) -> None:
+    if wire.dtype != torch.uint8 or tuple(wire.shape) != (n, HEADER_BYTES + length):
+        raise ValueError(
+            f"wire must be a uint8 tensor of shape ({n}, {HEADER_BYTES + length}) for {n} chunks of {length} "
+            f"elements (see wire_buffer), got {wire.dtype} {tuple(wire.shape)}"
+        )
+
+
+def chunk_minmax(x: torch.Tensor) -> torch.Tensor:
+    """The ``(n, 2)`` float32 min and max of every row of ``x`` (the header of each encoded chunk).
+
+    Example:
+        >>> chunk_minmax(torch.tensor([[1.0, -2.0, 3.0]]))
+        tensor([[-2.,  3.]])
+    """
+    xf = x if x.dtype == torch.float32 else x.float()
+    return torch.stack((xf.amin(dim=1), xf.amax(dim=1)), dim=1)
+
+
+def encode_chunks(
+    x: torch.Tensor, wire: torch.Tensor, work: Optional[torch.Tensor] = None, minmax: Optional[torch.Tensor] = None
+) -> None:
     """Encode the rows of ``x`` (``(n, L)``, float) into ``wire`` (``(n, 8 + L)``, uint8).
 
     Args:
-        x: the chunks, one per row (any float dtype; computed in float32).
+        x: the chunks, one per row (any float dtype; computed in float32). It is not modified.
         wire: output buffer from :func:`wire_buffer`.
-        work: optional float32 ``(n, L)`` scratch buffer, to avoid an allocation per call.
+        work: optional float32 scratch from :func:`scratch_buffer` (must not share memory with ``x``), to avoid
+            an allocation per call.
+        minmax: optional ``(n, 2)`` float32 per-row min/max to use instead of ``x``'s own (see
+            :func:`chunk_minmax`): encoding the column slices ``x[:, a:b]`` of chunks with the whole chunks'
+            min/max gives segments whose codes are those of the whole chunks, so a chunk can be sent in pieces.
+
+    Example:
+        >>> wire = wire_buffer(1, 3); encode_chunks(torch.tensor([[0.0, 0.5, 1.0]]), wire)
+        >>> wire[0, 8:].tolist()
+        [0, 127, 255]
     """
     n, length = x.shape
+    _check_wire(wire, n, length)
+    if length == 0:
+        wire.zero_()
+        return
     xf = x if x.dtype == torch.float32 else x.float()
-    minmax = torch.stack([xf.amin(dim=1), xf.amax(dim=1)], dim=1)
-    wire[:, :HEADER_BYTES].copy_(minmax.contiguous().view(torch.uint8).view(n, HEADER_BYTES))
-    scale, lower = _scale_lower(minmax)
-    if work is None:
-        work = torch.empty(n, length, dtype=torch.float32, device=x.device)
-    torch.mul(xf, scale, out=work)
-    work.round_()
-    torch.minimum(work, lower + 255.0, out=work)
-    work.sub_(lower).clamp_(0.0, 255.0)
-    wire[:, HEADER_BYTES:].copy_(work)
-
-
-def decode_chunks(wire: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
-    """Decode ``wire`` (``(n, 8 + L)``) into ``out`` (``(n, L)``); with ``accumulate``, add to ``out`` instead."""
-    n = wire.shape[0]
-    minmax = wire[:, :HEADER_BYTES].contiguous().view(torch.float32).view(n, 2)
+    minmax = chunk_minmax(xf) if minmax is None else minmax.float().contiguous()
+    wire[:, :HEADER_BYTES].copy_(minmax.view(torch.uint8))
     scale, lower = _scale_lower(minmax)
     codes = wire[:, HEADER_BYTES:]
-    if accumulate:
-        out.add_((codes.float() + lower) / scale)
+    if _blocked(xf):
+        buf = _scratch(work, min(length, BLOCK), xf.device)
+        for row, out, s, lo in zip(xf, codes, scale.view(-1).tolist(), lower.view(-1).tolist()):
+            for a in range(0, length, BLOCK):
+                b = min(a + BLOCK, length)
+                w = buf[: b - a]
+                torch.mul(row[a:b], s, out=w)
+                w.round_().sub_(lo).clamp_(0.0, 255.0)
+                out[a:b].copy_(w)
     else:
-        out.copy_(codes)
-        out.add_(lower).div_(scale)
+        w = _scratch(work, n * length, xf.device).view(n, length)
+        torch.mul(xf, scale, out=w)
+        w.round_().sub_(lower).clamp_(0.0, 255.0)
+        codes.copy_(w)
+
+
+def decode_chunks(
+    wire: torch.Tensor, out: torch.Tensor, accumulate: bool = False, work: Optional[torch.Tensor] = None
+) -> None:
+    """Decode ``wire`` (``(n, 8 + L)``) into ``out`` (``(n, L)``); with ``accumulate``, add to ``out`` instead.
+
+    Args:
+        wire: encoded chunks.
+        out: float output, one chunk per row.
+        accumulate: add the decoded values to ``out`` instead of overwriting it.
+        work: optional float32 scratch from :func:`scratch_buffer` (used with ``accumulate`` or a non-float32 ``out``).
+
+    Example:
+        >>> wire = wire_buffer(1, 3); encode_chunks(torch.tensor([[0.0, 0.5, 1.0]]), wire)
+        >>> out = torch.empty(1, 3); decode_chunks(wire, out); out
+        tensor([[0.0000, 0.4980, 1.0000]])
+    """
+    n, length = out.shape
+    _check_wire(wire, n, length)
+    if length == 0:
+        return
+    scale, lower = _scale_lower(_header(wire))
+    codes = wire[:, HEADER_BYTES:]
+    direct = out.dtype == torch.float32 and not accumulate
+    if _blocked(out):
+        buf = None if direct else _scratch(work, min(length, BLOCK), out.device)
+        for row, q, s, lo in zip(out, codes, scale.view(-1).tolist(), lower.view(-1).tolist()):
+            for a in range(0, length, BLOCK):
+                b = min(a + BLOCK, length)
+                w = row[a:b] if buf is None else buf[: b - a]
+                w.copy_(q[a:b])
+                w.add_(lo).div_(s)
+                if accumulate:
+                    row[a:b].add_(w)
+                elif buf is not None:
+                    row[a:b].copy_(w)
+    else:
+        w = out if direct else _scratch(work, n * length, out.device).view(n, length)
+        w.copy_(codes)
+        w.add_(lower).div_(scale)
+        if accumulate:
+            out.add_(w)
+        elif not direct:
+            out.copy_(w)
+
+
+def decode_sum_chunks(wire: torch.Tensor, out: torch.Tensor, work: Optional[torch.Tensor] = None) -> None:
+    """Write into ``out`` (``(L,)``) the sum of the ``n`` decoded rows of ``wire``, added in row order.
+
+    This is the reduce step of a scatter-reduce: ``out = ((d_0 + d_1) + d_2) + ...`` in float32, bit-identical
+    to decoding every row and summing them one after the other.
+
+    Args:
+        wire: ``(n, 8 + L)`` encoded chunks (row ``i`` from rank ``i``).
+        out: float output of ``L`` elements.
+        work: optional float32 scratch from :func:`scratch_buffer`.
+
+    Example:
+        >>> wire = wire_buffer(2, 2); encode_chunks(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), wire)
+        >>> out = torch.empty(2); decode_sum_chunks(wire, out); out
+        tensor([1., 1.])
+    """
+    n = wire.shape[0]
+    length = out.numel()
+    _check_wire(wire, n, length)
+    if length == 0:
+        return
+    flat_out = out.view(-1)
+    scale, lower = _scale_lower(_header(wire))
+    codes = wire[:, HEADER_BYTES:]
+    direct = flat_out.dtype == torch.float32
+    if _blocked(flat_out):
+        scales, lowers = scale.view(-1).tolist(), lower.view(-1).tolist()
+        block = min(length, BLOCK)
+        buf = _scratch(work, block if direct else 2 * block, flat_out.device)
+        for a in range(0, length, BLOCK):
+            b = min(a + BLOCK, length)
+            acc = flat_out[a:b] if direct else buf[block : block + b - a]
+            w = buf[: b - a]
+            for i in range(n):
+                target = acc if i == 0 else w
+                target.copy_(codes[i, a:b])
+                target.add_(lowers[i]).div_(scales[i])
+                if i > 0:
+                    acc.add_(w)
+            if not direct:
+                flat_out[a:b].copy_(acc)
+    else:
+        buf = _scratch(work, length if direct else 2 * length, flat_out.device)
+        acc = flat_out if direct else buf[length:]
+        w = buf[:length]
+        for i in range(n):
+            target = acc if i == 0 else w
+            target.copy_(codes[i])
+            target.add_(lower[i]).div_(scale[i])
+            if i > 0:
+                acc.add_(w)
+        if not direct:
+            flat_out.copy_(acc)
 
 
 def quantization_error_bound(x: torch.Tensor) -> torch.Tensor:
-    """Largest decode error of each row of ``x``: half a quantization step, ``(max - min + eps) / 510``."""
+    """Largest decode error of each row of ``x``: half a quantization step, ``(max - min + eps) / 510``.
+
+    Example:
+        >>> quantization_error_bound(torch.tensor([[0.0, 5.1]]))
+        tensor([0.0100])
+    """
     xf = x.float()
     return (xf.amax(dim=1) - xf.amin(dim=1) + EPS) / 510.0

@@ -1,0 +1,295 @@
+"""ByteGrad: gradients averaged in 8 bits, MinMaxUInt8 around a scatter-reduce-gather allreduce.
+
+Bagua paper: https://arxiv.org/abs/2107.01499. With ``n`` ranks in the communicator, rank ``r`` does, per bucket
+(the bucket is padded with zeros to a multiple of the group size, so it splits into ``n`` equal chunks):
+
+1. split the flat bucket into ``n`` chunks and encode each with its own min/max
+   (:mod:`bagua.torch_api.compression`);
+2. all-to-all: rank ``r`` receives every rank's encoded chunk ``r`` (its own included);
+3. decode them and add them in rank order in float32, then divide by ``n`` (``average=True``);
+4. encode the reduced chunk ``r`` and all-gather the encoded chunks;
+5. decode all ``n`` chunks into the bucket.
+
+Every element is therefore quantized twice, and every rank ends with the same bytes, hence the same gradient.
+Each chunk travels as segments of at most :data:`SEGMENT` elements, each a collective of its own launched as
+soon as it is encoded (every segment repeats its chunk's min/max header, so the codes are exactly those of the
+whole chunk): encoding, the network and decoding overlap. Hierarchical (a group spanning several nodes of
+several ranks): a float32 intra-node reduce (average) to each node's leader, the steps above among the leaders,
+an intra-node broadcast.
+
+Error feedback (``error_feedback=True``, after EF-SGD, https://arxiv.org/abs/1901.09847, and its two-sided
+form DoubleSqueeze, https://arxiv.org/abs/1905.05957): each rank keeps ``e`` (one value per bucket element) and
+each chunk owner keeps ``s`` (one per element of its chunk); with ``Q`` the encoding and ``D`` the decoding::
+
+    x   = g + e                 e <- x - D(Q(x))       (the rank's own quantization error, step 1)
+    y_r = mean_i D(Q(x_i))_r + s      s <- y_r - D(Q(y_r))  (the owner's error, step 4)
+    result = D(Q(y))
+
+so no part of a gradient is lost for good: what quantization drops in one step is sent in the next ones.
+
+Example:
+    >>> from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+    >>> model = model.with_bagua([optimizer], ByteGradAlgorithm(error_feedback=True))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from bagua.torch_api import communication as comm
+from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from bagua.torch_api.bucket import BaguaBucket, BucketOp
+from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.compression import (
+    chunk_minmax,
+    decode_chunks,
+    decode_sum_chunks,
+    encode_chunks,
+    scratch_buffer,
+    wire_buffer,
+)
+from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+
+__all__ = [
+    "SEGMENT",
+    "ByteGradAlgorithm",
+    "ByteGradAlgorithmImpl",
+    "Workspace",
+    "low_precision_allreduce_inplace",
+    "centralized_low_precision_op",
+]
+
+#: Elements of a chunk sent per collective; larger chunks are sent in several pipelined segments.
+SEGMENT = 1 << 20
+
+# torch >= 2.7 names it all_gather_single and deprecates all_gather_into_tensor (a FutureWarning per call).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Workspace:
+    """The buffers of one bucket's compressed allreduce, allocated once and reused every step.
+
+    Args:
+        numel: elements of the flat bucket.
+        nranks: ranks of the communicator (the bucket splits into that many chunks).
+        device: the bucket's device.
+        stage: whether the bucket needs a float32 copy (its dtype is not float32 or its size is not a multiple
+            of ``nranks``).
+        error_feedback: keep the error-feedback residuals.
+    """
+
+    __slots__ = ("numel", "nranks", "length", "segments", "send", "recv", "mine", "work", "staging",
+                 "residual", "server_residual")
+
+    def __init__(
+        self, numel: int, nranks: int, device: torch.device, stage: bool = False, error_feedback: bool = False
+    ) -> None:
+        # shape
+        self.numel = numel
+        self.nranks = nranks
+        self.length = -(-numel // nranks)
+        self.segments = [(a, min(a + SEGMENT, self.length)) for a in range(0, self.length, SEGMENT)] or [(0, 0)]
+        # wire buffers, one set per segment (recv is reused as the all-gather output)
+        self.send = [wire_buffer(nranks, b - a, device) for a, b in self.segments]
+        self.recv = [wire_buffer(nranks, b - a, device) for a, b in self.segments]
+        self.mine = [wire_buffer(1, b - a, device) for a, b in self.segments]
+        # float buffers
+        self.work = scratch_buffer(min(self.length, SEGMENT), device)
+        stage = stage or nranks * self.length != numel
+        self.staging = torch.zeros(nranks * self.length, dtype=torch.float32, device=device) if stage else None
+        self.residual = torch.zeros(nranks, self.length, device=device) if error_feedback else None
+        self.server_residual = torch.zeros(self.length, device=device) if error_feedback else None
+
+
+def low_precision_allreduce_inplace(
+    flat: torch.Tensor, c: BaguaCommunicator, average: bool = True, workspace: Optional[Workspace] = None
+) -> None:
+    """Average (or sum) ``flat`` over the communicator ``c`` in 8 bits: steps 1-5 of the module docstring.
+
+    Args:
+        flat: a 1-D float tensor, the same size on every rank; overwritten with the result.
+        c: the communicator; a non-member or a one-rank communicator leaves ``flat`` unchanged (exact).
+        average: divide the sum by the number of ranks.
+        workspace: buffers from a previous call (with the residuals of error feedback); a new one otherwise.
+
+    Example:
+        >>> c = bagua.communication._get_default_group().get_global_communicator()  # doctest: +SKIP
+        >>> low_precision_allreduce_inplace(torch.randn(1000), c)  # doctest: +SKIP
+    """
+    if c.group is None or c.nranks() == 1:
+        return
+    n, r = c.nranks(), c.rank()
+    ws = workspace or Workspace(flat.numel(), n, flat.device, stage=flat.dtype != torch.float32)
+    if ws.numel != flat.numel() or ws.nranks != n:
+        raise ValueError(f"workspace was built for {ws.numel} elements on {ws.nranks} ranks, got {flat.numel()} / {n}")
+    x = flat.view(-1)
+    if ws.staging is not None:
+        ws.staging[: ws.numel].copy_(x)
+        ws.staging[ws.numel :].zero_()
+        x = ws.staging
+    chunks = x.view(n, ws.length)
+    own = chunks[r]
+
+    # 1-2: encode every chunk, segment by segment, each segment's all-to-all launched at once
+    if ws.residual is not None:
+        chunks.add_(ws.residual)
+    minmax = chunk_minmax(chunks)
+    handles = []
+    for k, (a, b) in enumerate(ws.segments):
+        encode_chunks(chunks[:, a:b], ws.send[k], ws.work, minmax=minmax)
+        handles.append(dist.all_to_all_single(ws.recv[k].view(-1), ws.send[k].view(-1), group=c.group, async_op=True))
+        if ws.residual is not None:  # e = x - D(Q(x)), while the segment travels
+            residual = ws.residual[:, a:b]
+            decode_chunks(ws.send[k], residual)
+            torch.sub(chunks[:, a:b], residual, out=residual)
+
+    # 3: decode the n copies of chunk r and add them in rank order
+    for k, (a, b) in enumerate(ws.segments):
+        handles[k].wait()
+        decode_sum_chunks(ws.recv[k], own[a:b], ws.work)
+    if average:
+        own.div_(n)
+    if ws.server_residual is not None:
+        own.add_(ws.server_residual)
+
+    # 4: encode chunk r, all-gather it segment by segment
+    own_minmax = chunk_minmax(own.view(1, -1))
+    handles = []
+    for k, (a, b) in enumerate(ws.segments):
+        encode_chunks(own[a:b].view(1, -1), ws.mine[k], ws.work, minmax=own_minmax)
+        handles.append(_all_gather_single(ws.recv[k].view(-1), ws.mine[k].view(-1), group=c.group, async_op=True))
+        if ws.server_residual is not None:  # s = y - D(Q(y))
+            residual = ws.server_residual[a:b].view(1, -1)
+            decode_chunks(ws.mine[k], residual)
+            torch.sub(own[a:b].view(1, -1), residual, out=residual)
+
+    # 5: decode every chunk
+    for k, (a, b) in enumerate(ws.segments):
+        handles[k].wait()
+        decode_chunks(ws.recv[k], chunks[:, a:b])
+    if ws.staging is not None:
+        flat.view(-1).copy_(x[: ws.numel])
+
+
+def centralized_low_precision_op(
+    group: BaguaProcessGroup, hierarchical: bool = False, average: bool = True, error_feedback: bool = False
+) -> BucketOp:
+    """Return the bucket operation ``op(bucket, flat)`` of ByteGrad (and of QAdam's compressed stage).
+
+    Flat: :func:`low_precision_allreduce_inplace` over the group. Hierarchical (when the group spans several
+    nodes of several ranks): float32 reduce to each node's leader, the compressed allreduce among the leaders,
+    broadcast inside each node. The buffers (and error-feedback residuals) of each bucket live in this op and
+    are reused every step.
+
+    Args:
+        group: the process group.
+        hierarchical: communicate hierarchically when the group's layout allows it.
+        average: average (True) or sum (False).
+        error_feedback: carry each rank's quantization error to the next step (see the module docstring).
+
+    Example:
+        >>> bucket.append_op(centralized_low_precision_op(group, hierarchical=False))  # doctest: +SKIP
+    """
+    workspaces: dict[tuple, Workspace] = {}
+
+    def workspace_for(bucket: BaguaBucket, flat: torch.Tensor, c: BaguaCommunicator) -> Workspace:
+        key = (bucket.name, flat.numel(), flat.dtype, flat.device, tuple(c.ranks))
+        ws = workspaces.get(key)
+        if ws is None:
+            # a bucket rebuilt with another size: its old buffers (and residuals) cannot be reused
+            for stale in [k for k in workspaces if k[0] == bucket.name]:
+                del workspaces[stale]
+            ws = workspaces[key] = Workspace(
+                flat.numel(), c.nranks(), flat.device, stage=flat.dtype != torch.float32, error_feedback=error_feedback
+            )
+        return ws
+
+    def low_precision_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
+        if hierarchical and group.is_hierarchical_possible():
+            intra = group.get_intra_node_communicator()
+            inter = group.get_inter_node_communicator()
+            comm.reduce_inplace(flat, 0, ReduceOp.AVG if average else ReduceOp.SUM, intra)
+            if inter.is_member() and inter.nranks() > 1:
+                low_precision_allreduce_inplace(flat, inter, average, workspace_for(bucket, flat, inter))
+            comm.broadcast(flat, 0, intra)
+            return
+        c = group.get_global_communicator()
+        if c.is_member() and c.nranks() > 1:
+            low_precision_allreduce_inplace(flat, c, average, workspace_for(bucket, flat, c))
+
+    return low_precision_op
+
+
+class ByteGradAlgorithmImpl(AlgorithmImpl):
+    """ByteGrad bound to a group; see :class:`ByteGradAlgorithm`."""
+
+    def __init__(
+        self,
+        process_group: BaguaProcessGroup,
+        hierarchical: bool = True,
+        average: bool = True,
+        error_feedback: bool = False,
+    ) -> None:
+        super().__init__(process_group)
+        self.hierarchical = hierarchical
+        self.average = average
+        self.error_feedback = error_feedback
+
+    def tensors_to_buckets(self, tensors, do_flatten: bool) -> list[BaguaBucket]:
+        # padded to the group size so that every bucket splits into one equal chunk per rank
+        alignment = self.process_group.get_global_communicator().nranks()
+        return [
+            BaguaBucket(group, name=str(i), flatten=do_flatten, alignment=alignment) for i, group in enumerate(tensors)
+        ]
+
+    def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
+        bucket.clear_ops()
+        if self.error_feedback:
+            bucket.append_op(
+                centralized_low_precision_op(self.process_group, self.hierarchical, self.average, error_feedback=True)
+            )
+        else:
+            bucket.append_centralized_synchronous_op(
+                hierarchical=self.hierarchical,
+                average=self.average,
+                scattergather=True,
+                compression="MinMaxUInt8",
+                group=self.process_group,
+            )
+
+
+@GlobalAlgorithmRegistry.register("bytegrad", description="gradients averaged in 8 bits (MinMaxUInt8 scatter-gather)")
+@dataclass
+class ByteGradAlgorithm(Algorithm):
+    """Average gradients after every backward, sending them in 8 bits (about 4x less than float32).
+
+    Args:
+        hierarchical: reduce inside each node in float32 and compress only among node leaders; this sends less
+            over the slow inter-node network when there are several ranks per node.
+        average: average the gradients (True) or sum them (False).
+        error_feedback: add each rank's quantization error of the previous steps to its gradient before
+            compressing (and the chunk owners' error of the second quantization likewise), so that
+            quantization errors do not accumulate; costs one float32 copy of the gradients in memory.
+
+    Example:
+        >>> from bagua.torch_api.algorithms import bytegrad
+        >>> model = model.with_bagua([optimizer], bytegrad.ByteGradAlgorithm())  # doctest: +SKIP
+    """
+
+    hierarchical: bool = True
+    average: bool = True
+    error_feedback: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("hierarchical", "average", "error_feedback"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ByteGradAlgorithm({name}=...) must be True or False, got {getattr(self, name)!r}")
+
+    def reify(self, process_group: BaguaProcessGroup) -> ByteGradAlgorithmImpl:
+        return ByteGradAlgorithmImpl(
+            process_group, hierarchical=self.hierarchical, average=self.average, error_feedback=self.error_feedback
+        )

@@ -1,0 +1,237 @@
+"""ByteGrad against the maths written plainly on tensors, error feedback, and convergence on sklearn digits.
+
+The reference below shares no code with the implementation: it re-implements MinMaxUInt8 with the original's
+formula (``min(round(x*scale), upper) - lower``) one chunk at a time, and the scatter-reduce-gather on the raw
+float32 gradients of all ranks (gathered with ``dist.all_gather``). It performs the same float32 operations in the
+same order (decoded chunks added in rank order, then divided by the number of ranks), so the gradients are
+expected to be **bit-identical**: the tolerance is exact (``rtol=atol=0``). A single float32 rounding difference
+would flip an 8-bit code somewhere and show up as an error of a whole quantization step, so no small tolerance
+would hide a real mismatch anyway.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from tests.harness import run_workers
+from tests.torch_api.models import Net, batch, params_of
+
+STEPS = 4
+
+
+# -- the plain reference ---------------------------------------------------------------------------------------
+
+
+def _ref_roundtrip(x: torch.Tensor) -> torch.Tensor:
+    """MinMaxUInt8 encode then decode of one chunk, as the original Bagua writes it."""
+    mn, mx = x.min(), x.max()
+    scale = 255.0 / (mx - mn + 1e-7)
+    upper = torch.round(mx * scale)
+    lower = upper - 255.0
+    q = (torch.minimum(torch.round(x * scale), upper) - lower).to(torch.uint8)
+    return (q.float() + lower) / scale
+
+
+class _RefByteGrad:
+    """ByteGrad on plain tensors, given every rank's flat (padded) bucket; optional error feedback."""
+
+    def __init__(self, error_feedback: bool) -> None:
+        self.error_feedback = error_feedback
+        self.e: dict = {}  # (bucket, rank) -> residual
+        self.s: dict = {}  # (bucket, chunk) -> owner's residual
+
+    def __call__(self, key, flats: list[torch.Tensor], average: bool = True) -> torch.Tensor:
+        n = len(flats)
+        length = flats[0].numel() // n
+        decoded = []
+        for i, g in enumerate(flats):
+            x = g + self.e[key, i] if self.error_feedback and (key, i) in self.e else g.clone()
+            d = torch.cat([_ref_roundtrip(x[j * length : (j + 1) * length]) for j in range(n)])
+            if self.error_feedback:
+                self.e[key, i] = x - d
+            decoded.append(d)
+        out = torch.empty_like(flats[0])
+        for j in range(n):
+            acc = decoded[0][j * length : (j + 1) * length].clone()
+            for i in range(1, n):
+                acc = acc + decoded[i][j * length : (j + 1) * length]
+            if average:
+                acc = acc / n
+            if self.error_feedback and (key, j) in self.s:
+                acc = acc + self.s[key, j]
+            d = _ref_roundtrip(acc)
+            if self.error_feedback:
+                self.s[key, j] = acc - d
+            out[j * length : (j + 1) * length] = d
+        return out
+
+
+def _padded(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    return torch.cat([t, t.new_zeros((-t.numel()) % multiple)])
+
+
+def _all_gather(t: torch.Tensor, group=None) -> list[torch.Tensor]:
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, t, group=group)
+    return out
+
+
+# -- parity ----------------------------------------------------------------------------------------------------
+
+
+def _worker_parity(rank, world_size, hierarchical, error_feedback, small_segments, average=True):
+    from bagua.torch_api import compression
+    from bagua.torch_api.algorithms import bytegrad
+
+    if small_segments:  # exercise the pipelined segments and the cache blocks with a tiny model
+        bytegrad.SEGMENT, compression.BLOCK = 160, 48
+    torch.manual_seed(0)
+    model = Net()
+    ref_model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9)
+    model.with_bagua(
+        [opt], bytegrad.ByteGradAlgorithm(hierarchical=hierarchical, average=average, error_feedback=error_feedback)
+    )
+    layout = [[t.name for t in b.tensors] for b in model.bagua_buckets]
+    ref_params = dict(ref_model.named_parameters())
+    ref = _RefByteGrad(error_feedback)
+    local = 2 if hierarchical else 1
+    grads_equal = []
+    for step in range(STEPS):
+        x, y = batch(rank, step)
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(ref_model(x), y).backward()
+        for b, names in enumerate(layout):
+            flat = _padded(torch.cat([ref_params[n].grad.reshape(-1) for n in names]), world_size)
+            flats = _all_gather(flat)
+            if local > 1:  # nodes of `local` ranks: float32 average inside the node, ByteGrad among nodes
+                nodes = [flats[k * local : (k + 1) * local] for k in range(world_size // local)]
+                flats = [(node[0] + node[1]) / 2 if average else node[0] + node[1] for node in nodes]
+            result = ref(b, flats, average)
+            offset = 0
+            for n in names:
+                p = ref_params[n]
+                p.grad.copy_(result[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        ref_opt.step()
+
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads_equal.append([(p.grad.clone(), ref_params[n].grad.clone()) for n, p in model.named_parameters()])
+        opt.step()
+    return grads_equal, params_of(model), params_of(ref_model), len(layout)
+
+
+@pytest.mark.parametrize(
+    "world_size,hierarchical,error_feedback,small_segments,bucket_size",
+    [
+        (2, False, False, False, None),
+        (2, False, False, True, 1024),  # several buckets, several segments per chunk
+        (2, False, True, True, None),  # error feedback, residuals carried over steps
+        (4, False, False, False, 2048),
+        (4, True, False, True, None),  # two nodes of two ranks
+        (4, True, True, False, None),
+    ],
+)
+def test_matches_plain_reference(world_size, hierarchical, error_feedback, small_segments, bucket_size):
+    env = {"BAGUA_DEFAULT_BUCKET_SIZE": str(bucket_size)} if bucket_size else None
+    results = run_workers(
+        _worker_parity,
+        world_size,
+        hierarchical,
+        error_feedback,
+        small_segments,
+        env=env,
+        local_size=2 if hierarchical else None,
+    )
+    for steps, got, expected, n_buckets in results:
+        for pairs in steps:
+            assert_close([g for g, _ in pairs], [r for _, r in pairs], rtol=0, atol=0)
+        assert_close(got, expected, rtol=0, atol=0)
+        if bucket_size:
+            assert n_buckets > 1
+    for _, got, _, _ in results[1:]:
+        assert_close(got, results[0][1], rtol=0, atol=0)  # every rank holds identical weights
+
+
+def test_sum_instead_of_average():
+    for steps, got, expected, _ in run_workers(_worker_parity, 2, False, False, False, False):
+        for pairs in steps:
+            assert_close([g for g, _ in pairs], [r for _, r in pairs], rtol=0, atol=0)
+        assert_close(got, expected, rtol=0, atol=0)
+
+
+def _worker_unflattened(rank, world_size):
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+
+    out = {}
+    for flatten in (True, False):
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model.with_bagua([opt], ByteGradAlgorithm(hierarchical=False), do_flatten=flatten)
+        for step in range(3):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        out[flatten] = params_of(model)
+    return out
+
+
+def test_unflattened_buckets_give_the_same_result():
+    for out in run_workers(_worker_unflattened, 2):
+        assert_close(out[False], out[True], rtol=0, atol=0)
+
+
+# -- error feedback --------------------------------------------------------------------------------------------
+
+
+def _worker_error_feedback_accumulates(rank, world_size, steps):
+    from bagua.torch_api import communication
+    from bagua.torch_api.algorithms.bytegrad import Workspace, low_precision_allreduce_inplace
+
+    c = communication._get_default_group().get_global_communicator()
+    # per chunk: one outlier sets a coarse quantization step (2/255), so the small entries are rounded the
+    # same wrong way at every step
+    g = torch.full((64,), 0.003 * (rank + 1))
+    g[0], g[1], g[32], g[33] = 1.0, -1.0, 1.0, -1.0
+    exact = (0.003 + 0.006) / 2 * steps
+    errors = {}
+    for ef in (False, True):
+        ws = Workspace(64, world_size, torch.device("cpu"), error_feedback=ef)
+        total = torch.zeros(64)
+        for _ in range(steps):
+            out = g.clone()
+            low_precision_allreduce_inplace(out, c, average=True, workspace=ws)
+            total += out
+        small = torch.ones(64, dtype=torch.bool)
+        small[[0, 1, 32, 33]] = False
+        errors[ef] = (total[small] - exact).abs().max().item()
+        if ef:  # telescoping: sum of results = steps * mean(g) - mean_i(e_i) - s, exactly up to float rounding
+            e_mean = sum(_all_gather(ws.residual.reshape(-1))) / world_size
+            s = torch.cat(_all_gather(ws.server_residual))
+            identity = (total + e_mean + s - steps * (g + _other(g, rank)) / 2)[small].abs().max().item()
+            errors["identity"] = identity
+    return errors
+
+
+def _other(g: torch.Tensor, rank: int) -> torch.Tensor:
+    other = g.clone()
+    other[g.abs() < 0.5] = 0.003 * (2 - rank)
+    return other
+
+
+def test_error_feedback_keeps_the_accumulated_error_bounded():
+    steps = 40
+    for errors in run_workers(_worker_error_feedback_accumulates, 2, steps):
+        step = 2 / 255
+        assert errors[False] > 0.05  # without feedback the same rounding error adds up every step
+        assert errors[True] < step  # with feedback it stays below a quantization step
+        assert errors["identity"] < 1e-4
