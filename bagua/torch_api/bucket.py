@@ -14,16 +14,24 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 from typing import Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
-__all__ = ["BaguaBucket", "BucketOp", "split_bucket_by_bucket_size", "centralized_full_precision_op"]
+__all__ = [
+    "AsyncHandle",
+    "BaguaBucket",
+    "BucketOp",
+    "split_bucket_by_bucket_size",
+    "centralized_full_precision_op",
+]
 
 BucketOp = Callable[["BaguaBucket", torch.Tensor], None]
 
@@ -52,6 +60,23 @@ def split_bucket_by_bucket_size(tensors: Sequence[BaguaTensor], bucket_size: int
         if current:
             buckets.append(current)
     return buckets
+
+
+class AsyncHandle:
+    """A collective started asynchronously, and what to do once it has finished."""
+
+    __slots__ = ("work", "finish")
+
+    def __init__(self, work: Optional[dist.Work], finish: Optional[Callable[[], object]]) -> None:
+        self.work = work
+        self.finish = finish
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` seconds for the collective, then run ``finish``."""
+        if self.work is not None:
+            self.work.wait(datetime.timedelta(seconds=timeout_s))
+        if self.finish is not None:
+            self.finish()
 
 
 class BaguaBucket:
@@ -188,6 +213,12 @@ class BaguaBucket:
             return self.append_op(centralized_low_precision_op(group, hierarchical, average))
         raise ValueError(f"unknown compression {compression!r}; available: None, 'MinMaxUInt8'")
 
+    def async_launcher(self) -> Optional[Callable[["BaguaBucket", torch.Tensor], AsyncHandle]]:
+        """The bucket's ``launch_async`` when its whole work is one collective on its flat buffer, else ``None``."""
+        if self.flat is None or len(self._ops) != 1:
+            return None
+        return getattr(self._ops[0], "launch_async", None)
+
     def execute(self) -> None:
         """Run the bucket's operations on its flat tensor (gathering and scattering back when not flattened)."""
         if self.flat is not None and self.check_flatten():
@@ -227,6 +258,21 @@ def centralized_full_precision_op(
             comm.broadcast(flat, 0, intra)
         else:
             _allreduce(flat, op, group.get_global_communicator())
+
+    def launch_async(bucket: BaguaBucket, flat: torch.Tensor) -> "AsyncHandle":
+        # The flat, unsplit case is one collective: start it from the caller's thread and let the backend run it
+        # (gloo's own threads, NCCL's stream) instead of handing it to Bagua's communication thread.
+        c = group.get_global_communicator()
+        if c.group is None or c.nranks() == 1:
+            return AsyncHandle(None, None)
+        nccl = dist.get_backend(c.group) == "nccl"
+        torch_op = dist.ReduceOp.AVG if (average and nccl) else (dist.ReduceOp.SUM)
+        work = dist.all_reduce(flat, op=torch_op, group=c.group, async_op=True)
+        finish = (lambda: flat.div_(c.nranks())) if (average and not nccl) else None
+        return AsyncHandle(work, finish)
+
+    if not hierarchical and not scattergather:
+        allreduce_op.launch_async = launch_async  # type: ignore[attr-defined]
 
     def _allreduce(flat: torch.Tensor, op: ReduceOp, c) -> None:
         if scattergather and flat.numel() % c.nranks() == 0:

@@ -146,7 +146,7 @@ class BaguaDistributedDataParallel:
         self._bucket_of: dict[str, tuple[int, int]] = {}
         self._ready: list[set[int]] = []
         self._next_bucket = 0
-        self._pending: list[tuple[BaguaBucket, Future, Any]] = []
+        self._pending: list[tuple[BaguaBucket, Any, Any]] = []  # (bucket, Future or AsyncHandle, event)
         self._callback_queued = False
         self._params_with_grad_before: set[int] = set()
         self._hook_handles: list[Any] = []
@@ -214,6 +214,9 @@ class BaguaDistributedDataParallel:
                 self._bucket_of[t.name] = (b, i)
         self._ready = [set() for _ in self.bagua_buckets]
         self._next_bucket = 0
+        # All buckets go one way, so every rank issues its collectives in the same order: either each bucket is a
+        # single collective started from the caller's thread, or all run on the communication thread.
+        self._direct_launch = all(b.async_launcher() is not None for b in self.bagua_buckets)
 
     def _register_framework_hooks(self) -> None:
         self._hook_handles.append(self.module.register_forward_pre_hook(self._on_forward_pre))
@@ -293,6 +296,11 @@ class BaguaDistributedDataParallel:
             self._next_bucket += 1
 
     def _launch(self, bucket: BaguaBucket) -> None:
+        if self._direct_launch:
+            launcher = bucket.async_launcher()
+            assert launcher is not None and bucket.flat is not None
+            self._pending.append((bucket, launcher(bucket, bucket.flat), None))
+            return
         ready_event = None
         if bucket.device.type == "cuda":
             ready_event = torch.cuda.Event()
@@ -321,9 +329,12 @@ class BaguaDistributedDataParallel:
         """Block until every launched bucket has finished; raise if one failed or timed out."""
         pending, self._pending = self._pending, []
         timeout = env.get_comm_timeout_s()
-        for bucket, future, done_event in pending:
+        for bucket, handle, done_event in pending:
             try:
-                future.result(timeout=timeout)
+                if isinstance(handle, Future):
+                    handle.result(timeout=timeout)
+                else:
+                    handle.wait(timeout)
             except FutureTimeout:
                 raise RuntimeError(
                     f"rank {dist.get_rank()}: communication of bucket {bucket.name!r} of "
@@ -333,7 +344,8 @@ class BaguaDistributedDataParallel:
             except Exception as exc:
                 raise RuntimeError(
                     f"rank {dist.get_rank()}: communication of bucket {bucket.name!r} of {self.bagua_module_name} "
-                    f"({type(self.impl).__name__}) failed: {exc}"
+                    f"({type(self.impl).__name__}) failed: {exc}. If a peer died or is stuck, this fails after "
+                    f"BAGUA_COMM_TIMEOUT_S={timeout:.0f} s."
                 ) from exc
             if done_event is not None:
                 torch.cuda.current_stream().wait_event(done_event)
