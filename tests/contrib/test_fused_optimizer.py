@@ -215,6 +215,23 @@ def test_plain_step_in_between(name):
     assert_same(ref, fused, ref_params, fused_params)
 
 
+def test_direct_state_edit_then_reload():
+    """A state tensor assigned by hand is taken in after ``load_state_dict(state_dict())``."""
+    ref, fused, ref_params, fused_params = run_pair(OPTIMIZERS["adam"])
+    for opt, ps in ((ref, ref_params), (fused, fused_params)):
+        opt.state[ps[2]]["exp_avg"] = torch.full_like(ps[2], 0.5)
+    fused.load_state_dict(fused.state_dict())
+    for step in range(STEPS, STEPS + 2):
+        grads = grads_for(ref_params, step)
+        set_grads(ref_params, grads)
+        set_grads(fused_params, grads)
+        ref.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fused.fuse_step()
+    assert_same(ref, fused, ref_params, fused_params)
+
+
 def test_add_param_group_after_fusing():
     ref_params, fused_params = make_params(), make_params()
     ref = OPTIMIZERS["adam"](ref_params[:4])
