@@ -31,6 +31,7 @@ Example:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import shutil
@@ -38,7 +39,7 @@ import signal
 import subprocess
 import threading
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Iterator, Mapping, Optional, Sequence
 
 __all__ = [
     "Host",
@@ -318,8 +319,11 @@ class NetnsCluster:
         self.rate = bits
 
     def destroy(self) -> None:
-        """Kill tracked processes and delete every namespace this cluster created; safe to call twice."""
-        with self._lock:
+        """Kill tracked processes and delete every namespace this cluster created; safe to call twice.
+
+        SIGINT/SIGTERM/SIGHUP are held back while it runs (a second Ctrl-C must not stop the cleanup halfway).
+        """
+        with self._lock, _signals_blocked():
             if self._created:
                 kill_tracked_processes()
             for name in reversed(self._created):
@@ -368,6 +372,19 @@ class LoopbackCluster:
 
 
 # -- signals -------------------------------------------------------------------------------------------------
+
+_CLEANUP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """Hold back the cleanup-interrupting signals in this thread; they are delivered on exit."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _CLEANUP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
 
 
 def _raise_system_exit(signum: int, frame: object) -> None:
