@@ -1,0 +1,399 @@
+"""The autotune controller: measures throughput while a Bagua model trains and switches its buckets.
+
+Every rank runs one :class:`AutotuneController` per model; rank 0 also holds the :class:`~bagua.autotune.tuner.Tuner`.
+Steps of a tune, all on public torch hooks registered by the controller itself:
+
+1. **Warmup** (``warmup_time_s``): training runs untouched; the gradient-ready order of the parameters is
+   recorded (``Tensor.register_post_accumulate_grad_hook``).
+2. **Default**: one window is measured with the settings training started with.
+3. **Trials** (``max_samples``): rank 0 asks the tuner, every rank applies the proposal (buckets rebuilt in the
+   observed order, at the proposed size; hierarchical on/off; streams), one window is measured, rank 0 tells
+   the tuner the score.
+4. **Best**: the best measured settings are applied and measured once more (logged as ``best``), the tune is
+   saved for the next run, and the controller removes its hooks.
+
+A *window* starts ``settle_steps`` iterations after a change (the first steps pay for new buffers) and lasts
+at least ``sampling_confidence_time_s`` and ``min_window_steps`` iterations. An iteration ends at
+``optimizer.step()`` of the first optimizer; its samples are the leading dimension of the training forwards'
+first tensor input. The score is the global throughput over the window, samples/s, with outlier iterations
+(over twice the median: a checkpoint, an evaluation) counted at the median.
+
+Decisions are taken at *check* iterations known to every rank: all ranks sum their window statistics
+(one ``all_reduce``), rank 0 decides, and broadcasts a small int64 tensor ``[action, iteration, bucket_size,
+hierarchical, streams, ordered, next_check, trial]`` (then, once, the tensor order as indices). Every rank
+applies it at once, i.e. at the same iteration and the same ``bagua_train_step_counter``. These collectives
+run on a group of their own, so they never interleave with the algorithm's communication.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from bagua.autotune.log import AutotuneLog
+from bagua.autotune.tuner import Hyperparameters, Tuner, TuneResult, TuneSpace, load_tune, save_tune, signature
+from bagua.torch_api import env, multistream
+from bagua.torch_api.bucket import split_bucket_by_bucket_size
+
+__all__ = ["AutotuneController", "bucket_plan", "default_log_path"]
+
+logger = logging.getLogger(__name__)
+
+# decision actions
+_CONTINUE, _RESTART, _APPLY, _FINISH, _DONE, _LOAD, _NONE = range(7)
+_WARMUP, _DEFAULT, _TRIAL, _CONFIRM, _FINISHED = "warmup", "default", "trial", "confirm", "finished"
+_FIELDS = 8
+
+
+def bucket_plan(tensors: list, order: Optional[list[str]], bucket_size: int) -> list[list[str]]:
+    """Tensor names grouped into buckets of ``bucket_size`` bytes, tensors taken in ``order`` (names; tensors
+    missing from it follow in their own order), split per dtype as the engine does."""
+    by_name = {t.name: t for t in tensors}
+    ordered = [by_name[n] for n in (order or []) if n in by_name]
+    seen = {t.name for t in ordered}
+    ordered += [t for t in tensors if t.name not in seen]
+    return [[t.name for t in group] for group in split_bucket_by_bucket_size(ordered, bucket_size)]
+
+
+def _batch_size(inputs: Any) -> int:
+    """The leading dimension of the first tensor found in ``inputs`` (1 when there is none)."""
+    stack = [inputs]
+    while stack:
+        item = stack.pop(0)
+        if isinstance(item, torch.Tensor):
+            return int(item.shape[0]) if item.dim() > 0 else 1
+        if isinstance(item, (list, tuple)):
+            stack = list(item) + stack
+        elif isinstance(item, dict):
+            stack = list(item.values()) + stack
+    return 1
+
+
+def _robust_elapsed(durations: list[float]) -> float:
+    """Sum of iteration times, each outlier (over twice the median) counted at the median."""
+    if not durations:
+        return 0.0
+    median = sorted(durations)[len(durations) // 2]
+    return sum(d if d <= 2 * median else median for d in durations)
+
+
+class AutotuneController:
+    """Tune one Bagua-wrapped model while it trains (see the module docstring for the steps).
+
+    Creating it is collective: every rank of the model's group creates it at the same point (right after
+    wrapping). Prefer :func:`bagua.autotune.attach`.
+
+    Args:
+        bagua_ddp: the engine (``model.bagua_ddp``).
+        max_samples: trials after the default measurement.
+        warmup_time_s: seconds of training before the first measurement.
+        sampling_confidence_time_s: the shortest measured window, in seconds.
+        settle_steps: iterations after a change that are not measured.
+        min_window_steps: the fewest iterations in a window.
+        log_path: CSV log written by rank 0 (``None``: no log; ``"default"``: ``bagua_autotune_<model>.csv`` in
+            the temp folder, as the original).
+        tune_file: where the finished tune is saved and looked for (``None``: a file in the cache dir named
+            after the model and the cluster); ``""`` disables saving and loading.
+        reload: apply a saved tune of the same model and cluster instead of tuning.
+        strategy: ``"tpe"`` or ``"grid"`` (exhaustive sweep).
+        space: the search space (default: :meth:`TuneSpace.for_model`).
+        seed: the sampler's seed.
+    """
+
+    def __init__(
+        self,
+        bagua_ddp: Any,
+        max_samples: int = 60,
+        warmup_time_s: float = 30.0,
+        sampling_confidence_time_s: float = 5.0,
+        settle_steps: int = 2,
+        min_window_steps: int = 3,
+        log_path: Optional[str] = None,
+        tune_file: Optional[str] = None,
+        reload: bool = True,
+        strategy: str = "tpe",
+        space: Optional[TuneSpace] = None,
+        seed: int = 0,
+    ) -> None:
+        if max_samples < 1:
+            raise ValueError(f"max_samples must be >= 1, got {max_samples}")
+        if warmup_time_s < 0 or sampling_confidence_time_s < 0:
+            raise ValueError("warmup_time_s and sampling_confidence_time_s must be >= 0 seconds")
+        if settle_steps < 0 or min_window_steps < 1:
+            raise ValueError(f"need settle_steps >= 0 and min_window_steps >= 1, got {settle_steps}, {min_window_steps}")
+        if not bagua_ddp.bagua_optimizers:
+            raise ValueError("autotune counts iterations by optimizer.step(): wrap the model with its optimizer(s)")
+        # user settings
+        self.ddp = bagua_ddp
+        self.max_samples = max_samples
+        self.warmup_time_s = warmup_time_s
+        self.sampling_confidence_time_s = sampling_confidence_time_s
+        self.settle_steps = settle_steps
+        self.min_window_steps = min_window_steps
+        # internal state
+        pg = bagua_ddp.process_group
+        comm = pg.get_global_communicator()
+        self._ranks = list(comm.ranks)
+        self._is_root = dist.get_rank() == self._ranks[0]
+        self._group = dist.new_group(self._ranks)  # collective; decisions never mix with bucket traffic
+        self._device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(comm.group) == "nccl" \
+            else torch.device("cpu")
+        self._msg = multistream.get(pg)
+        self._tunes_hierarchical = hasattr(bagua_ddp.impl, "hierarchical") and pg.is_hierarchical_possible()
+        tensors = list(bagua_ddp._bagua_tensors)
+        self._names = [t.name for t in tensors]
+        total_bytes = sum(t.numel() * t.param.element_size() for t in tensors)
+        self.space = space or TuneSpace.for_model(total_bytes, self._tunes_hierarchical,
+                                                  self._msg.max_streams if self._msg else 1)
+        self.model_signature = signature(type(bagua_ddp.impl).__name__,
+                                         [(t.name, list(t.shape), str(t.dtype)) for t in tensors])
+        self.cluster_signature = signature(len(self._ranks), pg.node_layout(), dist.get_backend(comm.group),
+                                           self._msg.max_streams if self._msg else 1)
+        self.tune_file = tune_file if tune_file is not None else os.path.join(
+            env.get_cache_dir(), "autotune", f"{self.model_signature}-{self.cluster_signature}.json")
+        self.default = Hyperparameters(env.get_default_bucket_size(),
+                                       bool(getattr(bagua_ddp.impl, "hierarchical", False)),
+                                       self._msg.num_streams if self._msg else 1)
+        self.current = self.default
+        self.phase = _WARMUP
+        self.iteration = 0
+        self._next_check = 1
+        self._t_attach = time.perf_counter()
+        self._order: Optional[list[str]] = None
+        self._ready_now: list[int] = []
+        self._ready_last: list[int] = []
+        self._since_change = 0
+        self._t_last: Optional[float] = None
+        self._durations: list[float] = []
+        self._samples = 0
+        self._samples_pending = 0
+        self._step_time = 0.0
+        self._trial = 0
+        self._best_ordered = False
+        self._handles: list[Any] = []
+        self._order_handles: list[Any] = []
+        self._tuner: Optional[Tuner] = Tuner(self.space, max_samples, strategy, seed) if self._is_root else None
+        if log_path == "default":
+            log_path = default_log_path(self.model_signature)
+        self.log_path = log_path
+        self._log = AutotuneLog(log_path) if (log_path and self._is_root) else None
+        # stats, identical on every rank: (iteration, bagua_train_step_counter, hyper-parameters, ordered)
+        self.applied: list[tuple[int, int, Hyperparameters, bool]] = []
+        self.result: Optional[TuneResult] = None
+        if reload and self.tune_file and self._load_saved():
+            return
+        self._register_hooks()
+
+    # -- hooks -------------------------------------------------------------------------------------------------
+
+    def _register_hooks(self) -> None:
+        module = self.ddp.module
+        self._handles.append(module.register_forward_pre_hook(self._on_forward_pre))
+        self._handles.append(self.ddp.bagua_optimizers[0].register_step_post_hook(self._on_iteration_end))
+        index = {id(t.param): i for i, t in enumerate(self.ddp._bagua_tensors)}
+        for t in self.ddp._bagua_tensors:
+            if isinstance(t.param, torch.Tensor) and t.param.requires_grad:
+                i = index[id(t.param)]
+                self._order_handles.append(t.param.register_post_accumulate_grad_hook(
+                    lambda p, i=i: self._ready_now.append(i)))
+
+    def close(self) -> None:
+        """Remove every hook (tuning stops where it is; the current buckets stay)."""
+        for handle in self._handles + self._order_handles:
+            handle.remove()
+        self._handles, self._order_handles = [], []
+        self.phase = _FINISHED
+
+    @property
+    def finished(self) -> bool:
+        """Whether tuning is over (finished, reloaded or closed)."""
+        return self.phase == _FINISHED
+
+    def _on_forward_pre(self, module: torch.nn.Module, inputs: Any) -> None:
+        if module.training:
+            self._samples_pending += _batch_size(inputs)
+
+    def _on_iteration_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if getattr(self.ddp.module, "bagua_ddp", self.ddp) is not self.ddp:
+            self.close()  # the model was re-wrapped; this engine is closed
+            return
+        now = time.perf_counter()
+        self.iteration += 1
+        self._since_change += 1
+        if self._ready_now:
+            self._ready_last, self._ready_now = self._ready_now, []
+        if self._t_last is not None:
+            self._step_time = now - self._t_last if self._step_time == 0 else 0.8 * self._step_time + 0.2 * (
+                now - self._t_last)
+            if self._since_change > self.settle_steps:
+                self._durations.append(now - self._t_last)
+                self._samples += self._samples_pending
+        self._t_last = now
+        self._samples_pending = 0
+        if self.iteration >= self._next_check:
+            self._check(now)
+
+    # -- the collective decision -------------------------------------------------------------------------------
+
+    def _check(self, now: float) -> None:
+        stats = torch.tensor([float(self._samples), _robust_elapsed(self._durations), float(len(self._durations))],
+                             dtype=torch.float64, device=self._device)
+        dist.all_reduce(stats, group=self._group)
+        decision = torch.zeros(_FIELDS, dtype=torch.int64, device=self._device)
+        if self._is_root:
+            decision = torch.tensor(self._decide(now, *stats.tolist()), dtype=torch.int64, device=self._device)
+        dist.broadcast(decision, src=self._ranks[0], group=self._group)
+        self._follow([int(v) for v in decision.tolist()])
+
+    def _decide(self, now: float, samples: float, elapsed_sum: float, steps_sum: float) -> list[int]:
+        """Rank 0: the next decision from the summed window statistics."""
+        n = len(self._ranks)
+        elapsed, steps = elapsed_sum / n, steps_sum / n
+        if self.phase == _WARMUP:
+            left = self.warmup_time_s - (now - self._t_attach)
+            if left > 0:
+                return self._encode(_CONTINUE, self.current, next_in=self._iterations_for(left))
+            return self._encode(_RESTART, self.current, next_in=self._window_iterations())
+        if steps < self.min_window_steps or elapsed < self.sampling_confidence_time_s:
+            missing = max(self.min_window_steps - steps, self._iterations_for(self.sampling_confidence_time_s - elapsed))
+            return self._encode(_CONTINUE, self.current, next_in=max(1, int(missing)))
+        score = samples / elapsed if elapsed > 0 else 0.0
+        assert self._tuner is not None
+        if self._log is not None:
+            self._log.write(self.current, score, self.ddp.bagua_train_step_counter, self._trial,
+                            "best" if self.phase == _CONFIRM else self.phase, int(steps), elapsed)
+        logger.info("autotune %s %s: %.2f samples/s", self.phase, self.current, score)
+        if self.phase == _CONFIRM:
+            self._save(score)
+            return self._encode(_DONE, self.current)
+        self._tuner.tell(self.current, score)
+        if self._tuner.finished():
+            best, best_score = self._best()
+            self._best_ordered = best is not self.default
+            return self._encode(_FINISH, best, ordered=self._best_ordered, next_in=self._window_iterations())
+        self._trial += 1
+        return self._encode(_APPLY, self._tuner.ask(), ordered=True, next_in=self._window_iterations())
+
+    def _best(self) -> tuple[Hyperparameters, float]:
+        """The best trial, or the default (returned as ``self.default`` itself) when nothing beat it."""
+        assert self._tuner is not None
+        trials = [(hp, s) for hp, s, kind in self._tuner.records if kind == "trial"]
+        defaults = [s for _, s, kind in self._tuner.records if kind == "default"]
+        scores: dict[Hyperparameters, list[float]] = {}
+        for hp, s in trials:
+            scores.setdefault(hp, []).append(s)
+        hp = max(scores, key=lambda k: sum(scores[k]) / len(scores[k]))
+        mean = sum(scores[hp]) / len(scores[hp])
+        if defaults and defaults[0] >= mean:
+            return self.default, defaults[0]
+        return hp, mean
+
+    def _iterations_for(self, seconds: float) -> int:
+        if self._step_time <= 0:
+            return 1
+        return max(1, min(10_000, math.ceil(seconds / self._step_time)))
+
+    def _window_iterations(self) -> int:
+        return self.settle_steps + max(self.min_window_steps, self._iterations_for(self.sampling_confidence_time_s))
+
+    def _encode(self, action: int, hp: Hyperparameters, ordered: bool = False, next_in: int = 1) -> list[int]:
+        return [action, self.iteration, hp.bucket_size, int(hp.is_hierarchical_reduce), hp.num_streams,
+                int(ordered), self.iteration + max(1, next_in), self._trial]
+
+    def _follow(self, decision: list[int]) -> None:
+        """Every rank: carry out rank 0's decision."""
+        action, iteration, bucket_size, hierarchical, streams, ordered, next_check, trial = decision
+        if iteration != self.iteration:
+            raise RuntimeError(
+                f"autotune: rank {dist.get_rank()} is at iteration {self.iteration} but rank {self._ranks[0]} at "
+                f"{iteration}; every rank must call optimizer.step() the same number of times")
+        self._next_check = next_check
+        self._trial = trial
+        if action == _CONTINUE:
+            return
+        if action == _DONE:
+            self.close()
+            return
+        if ordered and self._order is None:
+            self._order = self._broadcast_order(self._ready_last)
+            for handle in self._order_handles:
+                handle.remove()
+            self._order_handles = []
+        if action in (_APPLY, _FINISH):
+            self._apply(Hyperparameters(bucket_size, bool(hierarchical), streams), bool(ordered))
+        self.phase = {_RESTART: _DEFAULT, _APPLY: _TRIAL, _FINISH: _CONFIRM}[action]
+        self._restart_window()
+
+    def _restart_window(self) -> None:
+        self._since_change = 0
+        self._durations = []
+        self._samples = 0
+
+    def _broadcast_order(self, ready: list[int]) -> list[str]:
+        """Rank 0's observed gradient-ready order, as tensor names, on every rank."""
+        n = len(self._names)
+        order = torch.zeros(n, dtype=torch.int64, device=self._device)
+        if self._is_root:
+            seen = list(dict.fromkeys(ready))
+            seen += [i for i in range(n) if i not in set(seen)]
+            order = torch.tensor(seen, dtype=torch.int64, device=self._device)
+        dist.broadcast(order, src=self._ranks[0], group=self._group)
+        return [self._names[i] for i in order.tolist()]
+
+    def _apply(self, hp: Hyperparameters, ordered: bool) -> None:
+        """Rebuild the buckets for ``hp`` (and switch hierarchical mode and streams)."""
+        if self._tunes_hierarchical:
+            self.ddp.impl.hierarchical = hp.is_hierarchical_reduce
+        if self._msg is not None:
+            self._msg.num_streams = min(hp.num_streams, self._msg.max_streams)
+        plan = bucket_plan(self.ddp._bagua_tensors, self._order if ordered else None, hp.bucket_size)
+        self.ddp._reset_buckets(plan)
+        self.current = hp
+        self.applied.append((self.iteration, self.ddp.bagua_train_step_counter, hp, ordered))
+
+    # -- saved tunes -------------------------------------------------------------------------------------------
+
+    def _save(self, confirmed_score: float) -> None:
+        """Rank 0: remember the result (and write it to ``tune_file``)."""
+        assert self._tuner is not None
+        default_score = next((s for _, s, kind in self._tuner.records if kind == "default"), 0.0)
+        self.result = TuneResult(
+            self.model_signature, self.cluster_signature, self.current, confirmed_score, default_score,
+            list(self._order) if (self._order and self._best_ordered) else [],
+            [dict(bucket_size=hp.bucket_size, is_hierarchical_reduce=hp.is_hierarchical_reduce,
+                  num_streams=hp.num_streams, score=s, kind=kind) for hp, s, kind in self._tuner.records],
+        )
+        if self.tune_file:
+            save_tune(self.tune_file, self.result)
+
+    def _load_saved(self) -> bool:
+        """Collective: rank 0 looks for a saved tune; when found every rank applies it and tuning is skipped."""
+        saved = load_tune(self.tune_file, self.model_signature, self.cluster_signature) if self._is_root else None
+        decision = torch.full((_FIELDS,), _NONE, dtype=torch.int64, device=self._device)
+        if saved is not None:
+            decision = torch.tensor(self._encode(_LOAD, saved.best, ordered=bool(saved.tensor_order)),
+                                    dtype=torch.int64, device=self._device)
+        dist.broadcast(decision, src=self._ranks[0], group=self._group)
+        action, _, bucket_size, hierarchical, streams, ordered, _, _ = [int(v) for v in decision.tolist()]
+        if action != _LOAD:
+            return False
+        if ordered:
+            index = {name: i for i, name in enumerate(self._names)}
+            self._order = self._broadcast_order([index[n] for n in saved.tensor_order if n in index]
+                                                if saved is not None else [])
+        self._apply(Hyperparameters(bucket_size, bool(hierarchical), streams), bool(ordered))
+        self.result = saved
+        self.phase = _FINISHED
+        return True
+
+
+def default_log_path(model_signature: str) -> str:
+    """Where ``--is_output_autotune_log`` writes the CSV log (the temp folder, as in the original)."""
+    return os.path.join(tempfile.gettempdir(), f"bagua_autotune_{model_signature}.csv")

@@ -1,0 +1,370 @@
+"""Several TCP streams per peer: the role Bagua-Net played, built from ``torch.distributed`` groups.
+
+Bagua-Net was an NCCL network plugin that split every NCCL send over several TCP connections. With the
+engines a PyTorch job uses today the same effect comes from two places:
+
+- **gloo**: a :class:`MultiStreamGroup` is ``K`` torch groups over the same ranks; each has its own TCP
+  connections and worker threads. A large tensor is cut into ``k <= K`` contiguous pieces (never smaller than
+  ``min_chunk_bytes``) and piece ``i`` is allreduced on group ``i``, all at once (``async_op=True``); the
+  result is the same as one allreduce of the whole tensor, element by element.
+- **NCCL**: its own socket transport already opens several connections per peer when asked to
+  (``NCCL_SOCKET_NTHREADS`` x ``NCCL_NSOCKS_PERTHREAD``); :func:`nccl_socket_env` returns those variables, which
+  must be in the environment before the NCCL communicators are created.
+
+Turn it on with ``--enable_bagua_net`` in Bagua's launchers (``BAGUA_NET=1``), or with one call:
+
+Example:
+    >>> import torch.distributed as dist
+    >>> from bagua.torch_api import multistream
+    >>> ddp = torch.nn.parallel.DistributedDataParallel(model)  # doctest: +SKIP
+    >>> multistream.enable(ddp, num_streams=4)  # plain DDP: a comm hook  # doctest: +SKIP
+    >>> multistream.enable(None, num_streams=4)  # Bagua: gradient allreduce of the default group  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping, MutableMapping, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from bagua.torch_api import communication
+from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+
+__all__ = [
+    "MultiStreamGroup",
+    "DEFAULT_NUM_STREAMS",
+    "DEFAULT_MIN_CHUNK_BYTES",
+    "NCCL_SOCKET_DEFAULTS",
+    "enable",
+    "disable",
+    "get",
+    "allreduce_inplace",
+    "all_reduce_async",
+    "MultiWork",
+    "multistream_allreduce_hook",
+    "nccl_socket_env",
+    "apply_nccl_socket_env",
+]
+
+#: Streams created by :func:`enable` when none is given. On the emulated hosts (docs/tcp_tuning.md) 2 and 4
+#: streams measured alike and more added nothing; Bagua-Net's own default was 2.
+DEFAULT_NUM_STREAMS = 4
+#: A piece smaller than this goes on fewer streams: below ~1 MiB the per-collective cost outweighs the gain
+#: (Bagua-Net's BAGUA_NET_MIN_CHUNKSIZE was 1 MiB for the same reason).
+DEFAULT_MIN_CHUNK_BYTES = 1 << 20
+
+#: NCCL socket transport settings used by :func:`nccl_socket_env` when ``--enable_bagua_net`` is on. NCCL's own
+#: defaults are 1 thread x 1 socket per peer; its documentation caps the product at 64. These were NOT measured
+#: here (NCCL over TCP needs two GPUs); they match the 4 streams per peer that gloo used best on the emulated
+#: hosts, and the buffer stays at NCCL's 4 MiB default. Autotune records them; see docs/tcp_tuning.md.
+NCCL_SOCKET_DEFAULTS: dict[str, str] = {
+    "NCCL_SOCKET_NTHREADS": "2",
+    "NCCL_NSOCKS_PERTHREAD": "2",
+    "NCCL_BUFFSIZE": str(4 << 20),
+}
+
+Comm = Union[BaguaCommunicator, BaguaProcessGroup, dist.ProcessGroup, None]
+
+
+def _torch_group_and_ranks(group: Comm) -> tuple[Optional[dist.ProcessGroup], list[int]]:
+    """The torch group and global ranks behind any kind of ``group`` (``None``: the default group)."""
+    if group is None:
+        c = communication._get_default_group().get_global_communicator() if communication.is_initialized() else None
+        if c is None:
+            return dist.group.WORLD, list(range(dist.get_world_size()))
+        return c.group, list(c.ranks)
+    if isinstance(group, BaguaProcessGroup):
+        c = group.get_global_communicator()
+        return c.group, list(c.ranks)
+    if isinstance(group, BaguaCommunicator):
+        return group.group, list(group.ranks)
+    if group is dist.group.WORLD:
+        return group, list(range(dist.get_world_size()))
+    return group, sorted(dist.get_process_group_ranks(group))
+
+
+def _group_key(group: Optional[dist.ProcessGroup]) -> int:
+    return id(group if group is not None else dist.group.WORLD)
+
+
+class MultiStreamGroup:
+    """``max_streams`` torch groups over the same ranks, used in parallel for large allreduces.
+
+    Creating one is collective: **every** process of the job calls the constructor, in the same order (each
+    stream is a ``torch.distributed.new_group``). Stream 0 is ``group`` itself, so with one active stream this
+    is exactly a plain allreduce.
+
+    Args:
+        group: the group to speed up (a Bagua group or communicator, a torch group, or ``None`` for the default).
+        max_streams: groups to create (1 to 16); :attr:`num_streams` may later be lowered, e.g. by autotune.
+        min_chunk_bytes: the smallest piece a tensor is cut into; smaller tensors use fewer streams.
+
+    Example:
+        >>> msg = MultiStreamGroup(max_streams=4)  # doctest: +SKIP
+        >>> msg.allreduce_(flat)  # sum over all ranks, in place  # doctest: +SKIP
+    """
+
+    __slots__ = ("ranks", "groups", "min_chunk_bytes", "_num_streams", "calls", "split_calls")
+
+    def __init__(self, group: Comm = None, max_streams: int = DEFAULT_NUM_STREAMS,
+                 min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> None:
+        if not 1 <= max_streams <= 16:
+            raise ValueError(f"max_streams must be between 1 and 16, got {max_streams}; 2 to 4 is usually enough")
+        if min_chunk_bytes < 1:
+            raise ValueError(f"min_chunk_bytes must be a positive number of bytes, got {min_chunk_bytes}")
+        if not dist.is_initialized():
+            raise RuntimeError("MultiStreamGroup needs torch.distributed to be initialized first")
+        base, ranks = _torch_group_and_ranks(group)
+        # user settings
+        self.ranks = ranks
+        self.min_chunk_bytes = min_chunk_bytes
+        # internal state: every process creates the same groups in the same order (dist.new_group's contract)
+        extra = [dist.new_group(ranks) for _ in range(max_streams - 1)]
+        self.groups: list[Optional[dist.ProcessGroup]] = [base] + extra if base is not None else []
+        self._num_streams = max_streams
+        # stats
+        self.calls = 0
+        self.split_calls = 0
+
+    @property
+    def max_streams(self) -> int:
+        """Number of streams created."""
+        return max(len(self.groups), 1)
+
+    @property
+    def num_streams(self) -> int:
+        """Streams a large tensor is spread over (at most :attr:`max_streams`)."""
+        return self._num_streams
+
+    @num_streams.setter
+    def num_streams(self, value: int) -> None:
+        if not 1 <= int(value) <= self.max_streams:
+            raise ValueError(f"num_streams must be between 1 and {self.max_streams} (the streams created), got {value}")
+        self._num_streams = int(value)
+
+    def is_member(self) -> bool:
+        """Whether the calling rank belongs to the group."""
+        return bool(self.groups)
+
+    def pieces(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Cut a contiguous ``tensor`` into at most :attr:`num_streams` contiguous views of about equal size."""
+        flat = tensor.view(-1)
+        nbytes = flat.numel() * flat.element_size()
+        k = max(1, min(self._num_streams, nbytes // self.min_chunk_bytes, flat.numel()))
+        return list(torch.tensor_split(flat, k)) if k > 1 else [flat]
+
+    def allreduce_(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> torch.Tensor:
+        """Allreduce ``tensor`` in place, its pieces on parallel streams; ``ReduceOp.AVG`` averages.
+
+        Returns ``tensor``. A non-contiguous tensor goes through a contiguous copy.
+        """
+        if not self.is_member() or len(self.ranks) < 2:
+            return tensor
+        if not tensor.is_contiguous():
+            work = tensor.contiguous()
+            self.allreduce_(work, op)
+            tensor.copy_(work)
+            return tensor
+        for work in self.allreduce_async(tensor, op):
+            work.wait()
+        _finish(tensor, op, len(self.ranks))
+        return tensor
+
+    def allreduce_async(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> list[Any]:
+        """Launch the pieces' allreduces (SUM for ``AVG``; the caller divides) and return their works."""
+        torch_op = dist.ReduceOp.SUM if ReduceOp(op) == ReduceOp.AVG else getattr(dist.ReduceOp, ReduceOp(op).name)
+        return self._launch(tensor, torch_op)
+
+    def _launch(self, tensor: torch.Tensor, torch_op: Any) -> list[Any]:
+        pieces = self.pieces(tensor)
+        self.calls += 1
+        self.split_calls += len(pieces) > 1
+        return [dist.all_reduce(p, op=torch_op, group=g, async_op=True) for p, g in zip(pieces, self.groups)]
+
+    def __repr__(self) -> str:
+        return (f"MultiStreamGroup(ranks={self.ranks}, num_streams={self._num_streams}/{self.max_streams}, "
+                f"min_chunk_bytes={self.min_chunk_bytes})")
+
+
+def _finish(tensor: torch.Tensor, op: ReduceOp, n: int) -> None:
+    if ReduceOp(op) == ReduceOp.AVG:
+        if tensor.is_floating_point() or tensor.is_complex():
+            tensor.div_(n)
+        else:
+            tensor.floor_divide_(n)
+
+
+# -- the registry: which groups allreduce over several streams ------------------------------------------------
+
+_registry: dict[int, MultiStreamGroup] = {}
+
+
+def get(group: Comm = None) -> Optional[MultiStreamGroup]:
+    """The :class:`MultiStreamGroup` enabled for ``group`` (``None``: the default group), if any."""
+    base, _ = _torch_group_and_ranks(group)
+    return _registry.get(_group_key(base))
+
+
+def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Comm = None) -> None:
+    """Allreduce ``tensor`` in place over ``comm``: on several streams when :func:`enable` was called for it,
+    else exactly :func:`bagua.torch_api.communication.allreduce_inplace`.
+
+    This is the operation Bagua's full-precision bucket allreduce dispatches to.
+    """
+    base, _ = _torch_group_and_ranks(comm)
+    msg = _registry.get(_group_key(base))
+    if msg is None or msg.num_streams == 1:
+        communication.allreduce_inplace(tensor, op, comm)
+        return
+    msg.allreduce_(tensor, op)
+
+
+class MultiWork:
+    """The works of one multistream allreduce, waited as one (the interface of ``torch.distributed.Work``
+    that Bagua's engine uses: ``wait``, ``is_completed``, ``get_future``)."""
+
+    __slots__ = ("works", "tensor")
+
+    def __init__(self, works: list[Any], tensor: torch.Tensor) -> None:
+        self.works = works
+        self.tensor = tensor
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Wait for every piece (each at most ``timeout``, a ``timedelta``, when given)."""
+        for work in self.works:
+            work.wait() if timeout is None else work.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        """Whether every piece has finished."""
+        return all(work.is_completed() for work in self.works)
+
+    def get_future(self) -> torch.futures.Future:
+        """A future completed with ``[tensor]`` once every piece has finished."""
+        tensor = self.tensor
+        return torch.futures.collect_all([w.get_future() for w in self.works]).then(lambda _: [tensor])
+
+
+def all_reduce_async(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> Any:
+    """``torch.distributed.all_reduce(tensor, op, group, async_op=True)``, on several streams when
+    :func:`enable` was called for ``group``; returns the work (a :class:`MultiWork` when split).
+
+    This is the call for engines that launch a bucket's allreduce and wait on it later.
+    """
+    msg = _registry.get(_group_key(group))
+    if msg is None or msg.num_streams == 1 or not tensor.is_contiguous():
+        return dist.all_reduce(tensor, op=op, group=group, async_op=True)
+    return MultiWork(msg._launch(tensor, op), tensor)
+
+
+def multistream_allreduce_hook(
+    state: MultiStreamGroup, bucket: dist.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: average ``bucket`` over ``state``'s ranks, its pieces on parallel streams.
+
+    Same arithmetic as torch's ``default_hooks.allreduce_hook`` (divide by the world size, then sum), so the
+    result equals DDP's default bucket by bucket.
+
+    Example:
+        >>> ddp.register_comm_hook(MultiStreamGroup(ddp.process_group), multistream_allreduce_hook)  # doctest: +SKIP
+    """
+    buffer = bucket.buffer()
+    buffer.div_(len(state.ranks))
+    futures = [work.get_future() for work in state.allreduce_async(buffer, ReduceOp.SUM)]
+    return torch.futures.collect_all(futures).then(lambda _: buffer)
+
+
+# DDP's register_comm_hook compares the annotations with the real classes; ``from __future__ import
+# annotations`` turned them into strings, so give the hook the objects back.
+multistream_allreduce_hook.__annotations__.update(bucket=dist.GradBucket, state=MultiStreamGroup)
+multistream_allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
+
+
+def enable(target: Any = None, num_streams: int = DEFAULT_NUM_STREAMS,
+           min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> MultiStreamGroup:
+    """Allreduce over several TCP streams; collective: every process calls it, in the same order.
+
+    Args:
+        target: a ``torch.nn.parallel.DistributedDataParallel`` (a comm hook is registered on it), a module
+            wrapped by Bagua (its group is used), a Bagua or torch group, or ``None`` (Bagua's default group).
+            For Bagua, gradient allreduce buckets of that group then go through :func:`allreduce_inplace`.
+        num_streams: streams to create and use.
+        min_chunk_bytes: the smallest piece a tensor is cut into.
+
+    Returns:
+        The :class:`MultiStreamGroup`; lower its ``num_streams`` at any time between steps.
+
+    Example:
+        >>> msg = multistream.enable(ddp_model, num_streams=4)  # doctest: +SKIP
+    """
+    if isinstance(target, torch.nn.parallel.DistributedDataParallel):
+        msg = MultiStreamGroup(target.process_group, num_streams, min_chunk_bytes)
+        if dist.get_backend(msg.groups[0] if msg.groups else None) != "gloo":
+            warnings.warn("multistream splitting is meant for gloo; with NCCL set nccl_socket_env() before "
+                          "init_process_group instead", stacklevel=2)
+        target.register_comm_hook(msg, multistream_allreduce_hook)
+        return msg
+    bagua_ddp = getattr(target, "bagua_ddp", None)
+    if bagua_ddp is not None:
+        target = bagua_ddp.process_group
+    elif target is not None and hasattr(target, "process_group") and hasattr(target, "bagua_buckets"):
+        target = target.process_group  # the engine object itself
+    existing = get(target)
+    if existing is not None:
+        existing.num_streams = min(num_streams, existing.max_streams)
+        return existing
+    msg = MultiStreamGroup(target, num_streams, min_chunk_bytes)
+    base, _ = _torch_group_and_ranks(target)
+    _registry[_group_key(base)] = msg
+    return msg
+
+
+def disable(group: Comm = None) -> None:
+    """Go back to one stream for ``group`` (the created groups stay alive until the process group is destroyed)."""
+    base, _ = _torch_group_and_ranks(group)
+    _registry.pop(_group_key(base), None)
+
+
+# -- NCCL's socket transport ---------------------------------------------------------------------------------
+
+
+def nccl_socket_env(nthreads: Optional[int] = None, nsocks_per_thread: Optional[int] = None,
+                    buffsize: Optional[int] = None) -> dict[str, str]:
+    """Return the NCCL variables that open ``nthreads * nsocks_per_thread`` TCP sockets per peer.
+
+    NCCL reads them once, when it creates its first communicator, so they must be in the environment before
+    ``init_process_group``. Missing arguments take :data:`NCCL_SOCKET_DEFAULTS`.
+
+    Args:
+        nthreads: ``NCCL_SOCKET_NTHREADS``, 1 to 16.
+        nsocks_per_thread: ``NCCL_NSOCKS_PERTHREAD``; ``nthreads * nsocks_per_thread`` must be at most 64.
+        buffsize: ``NCCL_BUFFSIZE`` in bytes (a power of two is best).
+
+    Example:
+        >>> nccl_socket_env(4, 2)["NCCL_NSOCKS_PERTHREAD"]
+        '2'
+    """
+    nt = int(NCCL_SOCKET_DEFAULTS["NCCL_SOCKET_NTHREADS"]) if nthreads is None else int(nthreads)
+    ns = int(NCCL_SOCKET_DEFAULTS["NCCL_NSOCKS_PERTHREAD"]) if nsocks_per_thread is None else int(nsocks_per_thread)
+    bs = int(NCCL_SOCKET_DEFAULTS["NCCL_BUFFSIZE"]) if buffsize is None else int(buffsize)
+    if not 1 <= nt <= 16:
+        raise ValueError(f"NCCL_SOCKET_NTHREADS must be between 1 and 16, got {nt}")
+    if ns < 1 or nt * ns > 64:
+        raise ValueError(f"NCCL allows at most 64 sockets per peer; {nt} threads x {ns} sockets is {nt * ns}")
+    if bs < 1 << 16:
+        raise ValueError(f"NCCL_BUFFSIZE={bs} is too small; use at least 64 KiB (NCCL's default is 4 MiB)")
+    return {"NCCL_SOCKET_NTHREADS": str(nt), "NCCL_NSOCKS_PERTHREAD": str(ns), "NCCL_BUFFSIZE": str(bs)}
+
+
+def apply_nccl_socket_env(environ: MutableMapping[str, str], values: Optional[Mapping[str, str]] = None) -> None:
+    """Set :func:`nccl_socket_env` (or ``values``) in ``environ`` where the user has not set them already.
+
+    Example:
+        >>> import os
+        >>> apply_nccl_socket_env(os.environ)  # before torch.distributed.init_process_group  # doctest: +SKIP
+    """
+    for key, value in (values or nccl_socket_env()).items():
+        environ.setdefault(key, value)

@@ -1,0 +1,88 @@
+"""Autotune in a real 2-rank run: every rank applies the same decision at the same step, training stays
+equal to torch DDP while buckets change under it, and a finished tune is reloaded by the next run.
+
+Tolerance against DDP: rtol=1e-5, atol=1e-6 (the same sums in other bucket layouts); across ranks: exact.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.testing import assert_close
+
+from tests.harness import run_workers
+from tests.torch_api.models import batch, make_model, params_of
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+MAX_ITERS = 300
+
+
+def _iterate(model, opt, rank, it):
+    opt.zero_grad()
+    x, y = batch(rank, it)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
+def _worker_tune(rank, world_size, tmp):
+    import bagua.autotune as autotune
+    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+
+    model = make_model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.with_bagua([opt], GradientAllReduceAlgorithm())
+    space = autotune.TuneSpace((8, 13))  # 256 B to 8 KiB: from one bucket per tensor to one bucket
+    ctl = autotune.attach(model, max_samples=4, warmup_time_s=0.0, sampling_confidence_time_s=0.0,
+                          settle_steps=1, min_window_steps=2, space=space, seed=0,
+                          log_path=os.path.join(tmp, "log.csv"), tune_file=os.path.join(tmp, "tune.json"))
+    iters = 0
+    while not ctl.finished and iters < MAX_ITERS:
+        _iterate(model, opt, rank, iters)
+        iters += 1
+    plans = [[t.name for t in b.tensors] for b in model.bagua_buckets]
+    tuned = dict(applied=ctl.applied, finished=ctl.finished, iters=iters, params=params_of(model), plans=plans,
+                 counter=model.bagua_ddp.bagua_train_step_counter)
+
+    # torch DDP on the same data, for as many iterations
+    reference = make_model(rank)
+    ddp = torch.nn.parallel.DistributedDataParallel(reference)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for it in range(iters):
+        _iterate(ddp, ref_opt, rank, it)
+
+    # the next run of the same model on the same cluster reloads the tune instead of tuning
+    model.bagua_ddp.close()
+    again = make_model(rank)
+    again_opt = torch.optim.SGD(again.parameters(), lr=0.05, momentum=0.9)
+    again.with_bagua([again_opt], GradientAllReduceAlgorithm())
+    reloaded = autotune.attach(again, max_samples=4, space=space, tune_file=os.path.join(tmp, "tune.json"))
+    reload_plans = [[t.name for t in b.tensors] for b in again.bagua_buckets]
+    return tuned, params_of(reference), reloaded.finished, reloaded.current, reload_plans, ctl.current
+
+
+def test_all_ranks_switch_together_and_match_ddp(tmp_path):
+    import bagua.autotune as autotune
+
+    results = run_workers(_worker_tune, 2, str(tmp_path), timeout=120)
+    (tuned0, ref0, *_), (tuned1, *_) = results
+    assert tuned0["finished"] and tuned0["iters"] < MAX_ITERS
+    # 4 trials, then the best: five switches, each at the same iteration and engine step on both ranks
+    assert len(tuned0["applied"]) == 5
+    assert tuned0["applied"] == tuned1["applied"]
+    assert tuned0["counter"] == tuned1["counter"] == tuned0["iters"]
+    assert tuned0["plans"] == tuned1["plans"]
+    for tuned, reference, *_ in results:
+        assert_close(tuned["params"], reference, **TOL)
+    assert_close(tuned0["params"], tuned1["params"], rtol=0, atol=0)
+
+    rows = autotune.read_log(str(tmp_path / "log.csv"))
+    assert [r["kind"] for r in rows] == ["default", "trial", "trial", "trial", "trial", "best"]
+    assert all(r["score"] > 0 and r["steps"] >= 2 for r in rows)
+    saved = autotune.load_tune(str(tmp_path / "tune.json"))
+    final = results[0][5]
+    assert saved is not None and saved.best == final and len(saved.trials) == 5
+
+    for tuned, _, finished, current, reload_plans, _ in results:
+        assert finished and current == final  # reloaded, not tuned again
+        assert reload_plans == tuned["plans"]
