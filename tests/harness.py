@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import time
 import traceback
 from typing import Any, Callable, Optional
 
@@ -88,13 +89,23 @@ def run_workers(
         for p in procs:
             p.start()
         out: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        exited_at: dict[int, float] = {}
         try:
             while len(out) < world_size:
                 try:
-                    rank, ok, value = results.get(timeout=timeout)
+                    rank, ok, value = results.get(timeout=0.2)
                 except queue.Empty:
-                    missing = sorted(set(range(world_size)) - set(out))
-                    raise WorkerError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+                    now = time.monotonic()
+                    for r, p in enumerate(procs):
+                        if r not in out and p.exitcode is not None:
+                            # give a result already in the queue a moment to arrive before blaming the process
+                            if now - exited_at.setdefault(r, now) > 2.0:
+                                raise WorkerError(f"rank {r} exited with code {p.exitcode} without reporting")
+                    if now > deadline:
+                        missing = sorted(set(range(world_size)) - set(out))
+                        raise WorkerError(f"ranks {missing} did not finish within {timeout:.0f} s") from None
+                    continue
                 if not ok:
                     raise WorkerError(f"rank {rank} failed:\n{value}")
                 import torch
