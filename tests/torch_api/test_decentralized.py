@@ -173,10 +173,10 @@ def test_hyperparameters_are_validated():
 # -- convergence on digits (shared with the other decentralized and async tests) ------------------------------
 
 
-def digits_accuracy(rank, world_size, algorithm, epochs=12, steps_hook=None):
+def digits_accuracy(rank, world_size, algorithm, epochs=12, finish=None):
     """Train a small MLP on this rank's shard of sklearn's digits; return its test accuracy.
 
-    ``algorithm=None`` means gradient allreduce. ``steps_hook(model, step)`` runs after every step.
+    ``algorithm=None`` means gradient allreduce. ``finish(model)`` runs after training, before the evaluation.
     """
     from sklearn.datasets import load_digits
 
@@ -193,7 +193,6 @@ def digits_accuracy(rank, world_size, algorithm, epochs=12, steps_hook=None):
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model.with_bagua([opt], algorithm or GradientAllReduceAlgorithm())
-    step = 0
     for epoch in range(epochs):
         perm = torch.randperm(len(x_train), generator=torch.Generator().manual_seed(epoch))
         for i in range(0, len(perm) - 15, 16):
@@ -201,9 +200,8 @@ def digits_accuracy(rank, world_size, algorithm, epochs=12, steps_hook=None):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
             opt.step()
-            step += 1
-            if steps_hook is not None:
-                steps_hook(model, step)
+    if finish is not None:
+        finish(model)
     model.eval()
     with torch.no_grad():
         return (model(x_test).argmax(1) == y_test).float().mean().item()
