@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
+from bagua.torch_api import multistream
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
@@ -267,7 +268,7 @@ def centralized_full_precision_op(
             return AsyncHandle(None, None)
         nccl = dist.get_backend(c.group) == "nccl"
         torch_op = dist.ReduceOp.AVG if (average and nccl) else (dist.ReduceOp.SUM)
-        work = dist.all_reduce(flat, op=torch_op, group=c.group, async_op=True)
+        work = multistream.all_reduce_async(flat, torch_op, c.group)  # several TCP streams when enabled
         finish = (lambda: flat.div_(c.nranks())) if (average and not nccl) else None
         return AsyncHandle(work, finish)
 
@@ -279,6 +280,6 @@ def centralized_full_precision_op(
             comm.reduce_scatter_inplace(flat, op, c)
             comm.allgather_inplace(flat, c)
         else:
-            comm.allreduce_inplace(flat, op, c)
+            multistream.allreduce_inplace(flat, op, c)  # several TCP streams when enabled for c
 
     return allreduce_op

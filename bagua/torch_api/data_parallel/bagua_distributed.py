@@ -158,6 +158,9 @@ class BaguaDistributedDataParallel:
         _state_sync.check_consistency(self.module, self.bagua_build_params(), self.bagua_optimizers, process_group)
         self._register_framework_hooks()
         self._bagua_init_algorithm()
+        from bagua.autotune import hooks as autotune_hooks  # here: bagua.autotune imports the engine's modules
+
+        autotune_hooks.on_wrap(self)  # BAGUA_NET=1: multistream; BAGUA_AUTOTUNE>=1: autotune; else nothing
 
     # -- parameters --------------------------------------------------------------------------------------------
 
