@@ -86,3 +86,36 @@ def test_all_ranks_switch_together_and_match_ddp(tmp_path):
     for tuned, _, finished, current, reload_plans, _ in results:
         assert finished and current == final  # reloaded, not tuned again
         assert reload_plans == tuned["plans"]
+
+
+def _worker_from_env(rank, world_size):
+    import bagua.autotune as autotune
+    from bagua.torch_api import multistream
+    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+
+    model = make_model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.with_bagua([opt], GradientAllReduceAlgorithm())  # the engine calls autotune's on_wrap
+    ctl = autotune.get_controller(model)
+    msg = multistream.get(None)
+    iters = 0
+    while ctl is not None and not ctl.finished and iters < MAX_ITERS:
+        _iterate(model, opt, rank, iters)
+        iters += 1
+    return (ctl is not None, ctl.space, ctl.finished, ctl.applied, ctl.current, model.bagua_ddp.impl.hierarchical,
+            msg is not None and msg.num_streams, os.listdir(os.path.join(os.environ["BAGUA_CACHE_DIR"], "autotune")))
+
+
+def test_launcher_environment_turns_everything_on(tmp_path):
+    """BAGUA_AUTOTUNE=1 and BAGUA_NET=1 (what the launchers export) on 2 nodes of 2 ranks: hierarchical and the
+    stream count become dimensions of the search, and the applied settings are the same everywhere."""
+    env = {"BAGUA_AUTOTUNE": "1", "BAGUA_AUTOTUNE_MAX_SAMPLES": "3", "BAGUA_AUTOTUNE_WARMUP_TIME_S": "0",
+           "BAGUA_AUTOTUNE_SAMPLING_CONFIDENCE_TIME_S": "0", "BAGUA_NET": "1", "BAGUA_CACHE_DIR": str(tmp_path)}
+    results = run_workers(_worker_from_env, 4, local_size=2, env=env, timeout=180)
+    attached, space, finished, applied, current, hierarchical, streams, saved = results[0]
+    assert attached and finished
+    assert space.hierarchical == (False, True) and space.num_streams == (1, 2, 4)
+    assert len(applied) == 4 and hierarchical == current.is_hierarchical_reduce and streams == current.num_streams
+    assert len(saved) == 1 and saved[0].endswith(".json")
+    for other in results[1:]:
+        assert other[3] == applied and other[4] == current

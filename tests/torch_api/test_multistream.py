@@ -107,12 +107,7 @@ def _worker_bagua(rank, world_size):
 
 
 def test_bagua_gradient_allreduce_uses_enabled_streams():
-    results = run_workers(_worker_bagua, 2)
-    if results[0][2] == 0:
-        # The engine's bucket allreduce must call multistream.allreduce_inplace / all_reduce_async (the two-line
-        # hook in docs/tcp_tuning.md); until it does, Bagua models cannot use the streams.
-        pytest.skip("the engine does not dispatch bucket allreduces to bagua.torch_api.multistream yet")
-    for plain, multi, split_calls in results:
+    for plain, multi, split_calls in run_workers(_worker_bagua, 2):
         assert_close(multi, plain, **EXACT)
         assert split_calls > 0
 
