@@ -1,0 +1,260 @@
+"""QAdam: Adam whose momentum is averaged in 8 bits after a full-precision warmup, with the variance frozen.
+
+Based on 1-bit Adam (Tang et al., 2021, https://arxiv.org/abs/2102.02888): after a warmup the second moment ``v``
+hardly changes, so it is frozen and only the first moment ``m`` is communicated, compressed. For optimizer step
+``t`` (1-based; ``W = warmup_steps``; ``lambda`` the weight decay, added to the gradient as in ``torch.optim.Adam``):
+
+1. ``t <= W`` (warmup): gradients are averaged in float32 (gradient allreduce), then the Adam update of ``m``
+   and ``v``.
+2. ``t > W`` (compression): during backward, each rank updates ``m <- m + (1-b1) * (g + lambda*p - m)`` with its
+   local gradient, and the momenta are averaged with ByteGrad's 8-bit scatter-reduce-gather; ``v`` is not
+   updated.
+3. Every step: ``p <- p - lr / (1-b1^t) * m / (sqrt(v) / sqrt(1-b2^min(t, W)) + eps)``.
+
+Differences from the original Bagua, each fixing a quirk: the moments are updated at the last warmup step
+``t = W`` (the original allreduced that step's gradients and then skipped the update); the weight decay is
+applied after the warmup too (the original dropped it, because it was added to a gradient that is no longer
+used); the bias correction of the frozen ``v`` is frozen with it (``1-b2^W``; the original kept dividing by
+``1-b2^t``, which enlarges the steps by up to ``1/sqrt(1-b2^W)`` as ``t`` grows); and the algorithm switches
+stage once, by comparing the stage it was built for with the step count, so extra forwards at the boundary
+(gradient accumulation) do not re-initialize it again. During the warmup, and without a process group,
+:class:`QAdamOptimizer` is ``torch.optim.Adam`` bit for bit.
+
+Example:
+    >>> optimizer = QAdamOptimizer(model.parameters(), lr=1e-3, warmup_steps=100)  # doctest: +SKIP
+    >>> model = model.with_bagua([optimizer], QAdamAlgorithm(optimizer))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from bagua.torch_api.bucket import BaguaBucket
+from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.tensor import BaguaTensor
+
+__all__ = ["QAdamOptimizer", "QAdamAlgorithm", "QAdamAlgorithmImpl"]
+
+logger = logging.getLogger(__name__)
+
+
+class QAdamOptimizer(torch.optim.Optimizer):
+    """Adam with a warmup, after which the variance is frozen and the momentum comes from :class:`QAdamAlgorithm`.
+
+    After the warmup this optimizer does not update the momentum itself: use it with :class:`QAdamAlgorithm`,
+    which does so during backward (and averages it across ranks).
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate.
+        warmup_steps: number of full-precision Adam steps (at least 1) before the compression stage; the
+            1-bit Adam paper suggests about 20% of the training steps.
+        betas: coefficients of the running averages of the gradient and its square.
+        eps: added to the denominator.
+        weight_decay: L2 penalty, added to the gradient.
+
+    Example:
+        >>> optimizer = QAdamOptimizer(torch.nn.Linear(2, 2).parameters(), lr=0.01, warmup_steps=10)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        warmup_steps: int = 100,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
+            raise ValueError(
+                f"warmup_steps must be a positive integer (the number of full-precision Adam steps), got "
+                f"{warmup_steps!r}; for Adam without compression use torch.optim.Adam with gradient_allreduce"
+            )
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr}")
+        if not (len(betas) == 2 and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
+        if not eps >= 0.0:
+            raise ValueError(f"eps must be >= 0, got {eps}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+        self.warmup_steps = warmup_steps
+
+    def _state_of(self, p: torch.Tensor) -> dict:
+        """The parameter's state, created as ``torch.optim.Adam`` creates it."""
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return state
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        """Perform one optimization step (steps 1-3 of the module docstring, the optimizer's part).
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+
+        Returns:
+            The closure's loss, or ``None``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None and not self.state[p]:
+                    continue
+                state = self._state_of(p)
+                warm = float(state["step"]) < self.warmup_steps
+                if p.grad is None and warm:
+                    continue  # Adam skips a parameter without gradient; after warmup m is communicated, so step
+                state["step"] += 1
+                step = float(state["step"])
+                exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+                if step <= self.warmup_steps:
+                    grad = p.grad
+                    if group["weight_decay"] != 0:
+                        grad = grad.add(p, alpha=group["weight_decay"])
+                    exp_avg.lerp_(grad, 1 - beta1)
+                    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                bias_correction1 = 1 - beta1**step
+                bias_correction2 = 1 - beta2 ** min(step, self.warmup_steps)
+                step_size = group["lr"] / bias_correction1
+                bias_correction2_sqrt = bias_correction2**0.5
+                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
+                p.addcdiv_(exp_avg, denom, value=-step_size)
+        return loss
+
+
+class QAdamAlgorithmImpl(AlgorithmImpl):
+    """QAdam bound to a group; see :class:`QAdamAlgorithm`."""
+
+    def __init__(
+        self, process_group: BaguaProcessGroup, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True
+    ) -> None:
+        super().__init__(process_group)
+        # user settings
+        self.optimizer = q_adam_optimizer
+        self.warmup_steps = q_adam_optimizer.warmup_steps
+        self.hierarchical = hierarchical
+        # internal state: the stage the tensors and buckets were built for
+        self.compressing = False
+        self._group_of: dict[int, dict] = {
+            id(p): group for group in q_adam_optimizer.param_groups for p in group["params"]
+        }
+
+    @property
+    def optimizer_step_id(self) -> int:
+        """Steps taken by the optimizer (the step count of its first parameter with state)."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                state = self.optimizer.state.get(p)
+                if state:
+                    return int(state["step"])
+        return 0
+
+    def need_reset(self) -> bool:
+        if not self.compressing and self.optimizer_step_id >= self.warmup_steps:
+            logger.info("QAdam starts to compress from step %d", self.optimizer_step_id + 1)
+            return True
+        return False
+
+    def init_tensors(self, bagua_ddp) -> list[BaguaTensor]:
+        self.compressing = self.optimizer_step_id >= self.warmup_steps
+        if not self.compressing:
+            return super().init_tensors(bagua_ddp)
+        params = bagua_ddp.bagua_build_params()
+        missing = [name for name, p in params if id(p) not in self._group_of]
+        if missing:
+            raise ValueError(
+                f"QAdam communicates the optimizer's momentum, but parameters {missing[:5]} are not in the "
+                "QAdamOptimizer given to QAdamAlgorithm; put every trainable parameter in it, or freeze them"
+            )
+        tensors = []
+        for name, p in reversed(params):
+            self.optimizer._state_of(p)
+            tensors.append(
+                BaguaTensor(p, name, bagua_ddp.bagua_module_name, self._get_momentum, self._set_momentum)
+            )
+        return tensors
+
+    def _get_momentum(self, p: torch.Tensor) -> torch.Tensor:
+        return self.optimizer.state[p]["exp_avg"]
+
+    def _set_momentum(self, p: torch.Tensor, t: torch.Tensor) -> None:
+        self.optimizer.state[p]["exp_avg"] = t
+
+    def tensors_to_buckets(self, tensors, do_flatten: bool) -> list[BaguaBucket]:
+        # after warmup: padded to the group size, one equal chunk per rank for the compressed allreduce
+        alignment = self.process_group.get_global_communicator().nranks() if self.compressing else 1
+        return [
+            BaguaBucket(group, name=str(i), flatten=do_flatten, alignment=alignment) for i, group in enumerate(tensors)
+        ]
+
+    def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
+        bucket.clear_ops()
+        if not self.compressing:
+            bucket.append_centralized_synchronous_op(hierarchical=False, average=True, group=self.process_group)
+            return
+        bucket.append_op(self._momentum_op)
+        bucket.append_centralized_synchronous_op(
+            hierarchical=self.hierarchical,
+            average=True,
+            scattergather=True,
+            compression="MinMaxUInt8",
+            group=self.process_group,
+        )
+
+    def _momentum_op(self, bucket: BaguaBucket, flat: torch.Tensor) -> None:
+        """``m <- m + (1-b1) (g + lambda p - m)`` for every tensor of the bucket, in the bucket's flat buffer."""
+        offset = 0
+        for t in bucket.tensors:
+            p = t.param
+            group = self._group_of[id(p)]
+            m = flat[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            if group["weight_decay"] != 0:
+                grad = grad.add(p.detach(), alpha=group["weight_decay"])
+            m.lerp_(grad, 1 - group["betas"][0])
+
+
+@GlobalAlgorithmRegistry.register("qadam", description="Adam with 8-bit momentum averaging after a warmup")
+@dataclass
+class QAdamAlgorithm(Algorithm):
+    """Communicate gradients in float32 during the warmup, then the Adam momentum in 8 bits.
+
+    Args:
+        q_adam_optimizer: the :class:`QAdamOptimizer` stepping the model (it holds the warmup length).
+        hierarchical: after the warmup, average inside each node in float32 and compress only among node
+            leaders.
+
+    Example:
+        >>> optimizer = QAdamOptimizer(model.parameters(), warmup_steps=100)  # doctest: +SKIP
+        >>> model = model.with_bagua([optimizer], QAdamAlgorithm(optimizer))  # doctest: +SKIP
+    """
+
+    q_adam_optimizer: QAdamOptimizer
+    hierarchical: bool = True
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.q_adam_optimizer, QAdamOptimizer):
+            raise ValueError(
+                f"QAdamAlgorithm needs the model's QAdamOptimizer, got {type(self.q_adam_optimizer).__name__}; "
+                "create it with bagua.torch_api.algorithms.q_adam.QAdamOptimizer(model.parameters(), ...)"
+            )
+
+    def reify(self, process_group: BaguaProcessGroup) -> QAdamAlgorithmImpl:
+        return QAdamAlgorithmImpl(process_group, self.q_adam_optimizer, hierarchical=self.hierarchical)

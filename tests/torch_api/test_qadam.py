@@ -1,0 +1,189 @@
+"""QAdam: torch Adam bit for bit during warmup; the compressed stage against the maths written on plain tensors.
+
+The reference of the compressed stage uses the plain ByteGrad reference of ``test_bytegrad`` (no code shared
+with the implementation) and the same torch ops as ``torch.optim.Adam`` for the moments (``lerp_``, ``addcmul_``),
+so the parameters are expected to be bit-identical: the tolerance is exact (``rtol=atol=0``).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from tests.harness import run_workers
+from tests.torch_api.models import Net, batch, params_of
+from tests.torch_api.test_bytegrad import _all_gather, _digits_run, _padded, _RefByteGrad
+
+
+def _adam_pair(weight_decay, groups):
+    from bagua.torch_api.algorithms.q_adam import QAdamOptimizer
+
+    torch.manual_seed(0)
+    a, b = Net(), Net()
+    b.load_state_dict(a.state_dict())
+
+    def param_groups(m):
+        if not groups:
+            return m.parameters()
+        return [{"params": m.fc1.parameters(), "lr": 3e-3}, {"params": list(m.fc2.parameters()) + list(m.fc3.parameters())}]
+
+    q = QAdamOptimizer(param_groups(a), lr=1e-3, warmup_steps=10_000, weight_decay=weight_decay)
+    t = torch.optim.Adam(param_groups(b), lr=1e-3, weight_decay=weight_decay)
+    return a, b, q, t
+
+
+@pytest.mark.parametrize("weight_decay,groups", [(0.0, False), (0.01, True)])
+def test_equals_torch_adam_during_warmup(weight_decay, groups):
+    a, b, q, t = _adam_pair(weight_decay, groups)
+    for step in range(300):
+        x, y = batch(0, step)
+        for model, opt in ((a, q), (b, t)):
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    assert_close(params_of(a), params_of(b), rtol=0, atol=0)
+    assert_close(
+        [q.state[p]["exp_avg_sq"] for p in a.parameters()], [t.state[p]["exp_avg_sq"] for p in b.parameters()],
+        rtol=0, atol=0,
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"warmup_steps": 0}, "warmup_steps must be a positive integer"),
+        ({"warmup_steps": -5}, "warmup_steps must be a positive integer"),
+        ({"warmup_steps": 2.5}, "warmup_steps must be a positive integer"),
+        ({"betas": (0.9, 1.0)}, "betas"),
+        ({"lr": -1.0}, "lr"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+    ],
+)
+def test_bad_optimizer_arguments(kwargs, match):
+    from bagua.torch_api.algorithms.q_adam import QAdamOptimizer
+
+    with pytest.raises(ValueError, match=match):
+        QAdamOptimizer(torch.nn.Linear(2, 2).parameters(), **kwargs)
+
+
+def test_algorithm_needs_a_qadam_optimizer():
+    from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm
+
+    with pytest.raises(ValueError, match="QAdamOptimizer"):
+        QAdamAlgorithm(torch.optim.Adam(torch.nn.Linear(2, 2).parameters()))
+
+
+# -- the compressed stage against a plain reference ------------------------------------------------------------
+
+WARMUP, STEPS, LR, WD, BETAS, EPS = 3, 8, 0.01, 0.01, (0.9, 0.999), 1e-8
+
+
+def _worker_parity(rank, world_size, hierarchical):
+    from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+
+    torch.manual_seed(0)
+    model = Net()
+    ref_model = copy.deepcopy(model)
+    opt = QAdamOptimizer(model.parameters(), lr=LR, warmup_steps=WARMUP, betas=BETAS, eps=EPS, weight_decay=WD)
+    model.with_bagua([opt], QAdamAlgorithm(opt, hierarchical=hierarchical))
+
+    names = [n for n, _ in reversed(list(ref_model.named_parameters()))]  # one bucket, reverse order
+    params = dict(model.named_parameters())
+    ref_params = dict(ref_model.named_parameters())
+    bytegrad = _RefByteGrad(error_feedback=False)
+    history, compressing = [], []
+    b1, b2 = BETAS
+    for t in range(1, STEPS + 1):
+        # one step of the reference from the implementation's current state
+        with torch.no_grad():
+            for n in names:
+                ref_params[n].copy_(params[n])
+            state = {n: opt.state[params[n]] for n in names}
+            m = {n: state[n]["exp_avg"].clone() if state[n] else torch.zeros_like(params[n]) for n in names}
+            v = {n: state[n]["exp_avg_sq"].clone() if state[n] else torch.zeros_like(params[n]) for n in names}
+        x, y = batch(rank, t)
+        ref_model.zero_grad()
+        torch.nn.functional.mse_loss(ref_model(x), y).backward()
+        with torch.no_grad():
+            if t <= WARMUP:  # float32 average of the gradients, then Adam's moments
+                flats = _all_gather(torch.cat([ref_params[n].grad.reshape(-1) for n in names]))
+                avg = flats[0]
+                for f in flats[1:]:
+                    avg = avg + f
+                avg = avg / world_size
+                offset = 0
+                for n in names:
+                    p = ref_params[n]
+                    g = avg[offset : offset + p.numel()].view_as(p).add(p, alpha=WD)
+                    offset += p.numel()
+                    m[n].lerp_(g, 1 - b1)
+                    v[n].mul_(b2).addcmul_(g, g, value=1 - b2)
+            else:  # each rank's momentum from its own gradient, averaged by the ByteGrad reference; v frozen
+                local = torch.cat(
+                    [m[n].lerp(ref_params[n].grad.add(ref_params[n], alpha=WD), 1 - b1).reshape(-1) for n in names]
+                )
+                flats = _all_gather(_padded(local, world_size))
+                if hierarchical:  # two nodes of two ranks: float32 average inside each node first
+                    flats = [(flats[0] + flats[1]) / 2, (flats[2] + flats[3]) / 2]
+                avg = bytegrad(t, flats)
+                offset = 0
+                for n in names:
+                    m[n] = avg[offset : offset + m[n].numel()].view_as(m[n])
+                    offset += m[n].numel()
+            for n in names:
+                denom = (v[n].sqrt() / (1 - b2 ** min(t, WARMUP)) ** 0.5).add_(EPS)
+                ref_params[n].addcdiv_(m[n], denom, value=-LR / (1 - b1**t))
+
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        compressing.append(model.bagua_ddp.impl.compressing)
+        history.append((t, params_of(model), params_of(ref_model)))
+    return history, compressing, len(model.bagua_buckets)
+
+
+@pytest.mark.parametrize("world_size,hierarchical", [(2, False), (4, True)])
+def test_compressed_stage_matches_plain_reference(world_size, hierarchical):
+    results = run_workers(_worker_parity, world_size, hierarchical, local_size=2 if hierarchical else None)
+    for history, compressing, n_buckets in results:
+        assert n_buckets == 1
+        assert compressing == [t > WARMUP for t in range(1, STEPS + 1)]
+        for t, got, expected in history:
+            if t <= WARMUP and world_size > 2:
+                # gloo may add 4 gradients in another order than the reference: float32 rounding only
+                assert_close(got, expected, rtol=1e-6, atol=1e-7)
+            else:
+                assert_close(got, expected, rtol=0, atol=0)
+    for history, _, _ in results[1:]:
+        assert_close(history[-1][1], results[0][0][-1][1], rtol=0, atol=0)  # identical weights everywhere
+
+
+# -- convergence on a real dataset -----------------------------------------------------------------------------
+
+
+def _worker_digits(rank, world_size):
+    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+    from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+
+    def adam(params):
+        return torch.optim.Adam(params, lr=3e-3)
+
+    def qadam(params):
+        return QAdamOptimizer(params, lr=3e-3, warmup_steps=40)  # about 20% of the 176 steps
+
+    return {
+        "gradient_allreduce": _digits_run(rank, world_size, adam, lambda opt: GradientAllReduceAlgorithm()),
+        "qadam": _digits_run(rank, world_size, qadam, lambda opt: QAdamAlgorithm(opt)),
+    }
+
+
+def test_digits_accuracy_within_two_points_of_gradient_allreduce():
+    results = run_workers(_worker_digits, 2)
+    assert_close(results[1]["qadam"][1], results[0]["qadam"][1], rtol=0, atol=0)
+    acc = {name: a for name, (a, _) in results[0].items()}
+    assert acc["gradient_allreduce"] > 90, acc
+    assert acc["qadam"] >= acc["gradient_allreduce"] - 2, acc
