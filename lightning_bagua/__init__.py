@@ -2,8 +2,8 @@
 
 The original Lightning-Universe ``lightning_bagua`` package exported ``BaguaStrategy`` and ``BaguaEnvironment``;
 this package re-exports :mod:`bagua.lightning`'s, so ``from lightning_bagua import BaguaStrategy`` keeps working.
-Importing it also registers ``"bagua"`` in Lightning's strategy registry (an installed Bagua does that at
-interpreter start through ``lightning_bagua.pth``; see :mod:`bagua.lightning.registration`).
+Importing it also registers ``"bagua"`` in Lightning's strategy registry (an installed Bagua does that when
+``torch`` is imported; see :mod:`bagua.lightning.registration`).
 
 Example:
     >>> from lightning_bagua import BaguaStrategy  # doctest: +SKIP

@@ -2,14 +2,19 @@
 
 Lightning 2.0-2.2 imported ``lightning_bagua`` itself when a distribution named ``lightning-bagua`` was
 installed; Lightning 2.3 and later (PR #19445) have no such lookup: a strategy name is valid only if it is in
-``StrategyRegistry`` when the ``Trainer`` is built. Installing Bagua therefore puts one line in a ``.pth`` file
-(``lightning_bagua.pth``, processed by :mod:`site` at interpreter start) that calls :func:`install`, which costs
-an import of this module only. :func:`install` watches for the import of ``lightning.pytorch.strategies`` and
-``pytorch_lightning.strategies`` and, right after either module has run, registers ``"bagua"`` in its
-``StrategyRegistry`` through Lightning's public ``register``. What it registers is a small factory, so Bagua and
-its strategy module are imported only when a Trainer asks for ``"bagua"``.
+``StrategyRegistry`` when the ``Trainer`` is built, and no Lightning entry point is read before that.
 
-``import lightning_bagua`` calls :func:`install` too (for checkouts run without installing Bagua).
+So Bagua runs :func:`autoload` whenever ``torch`` is imported (which Lightning always does first), through
+torch's extension autoloading: the installed distribution declares the entry point
+``[project.entry-points."torch.backends"] bagua_lightning = "bagua.lightning.registration:autoload"`` (torch >= 2.5
+calls every ``torch.backends`` entry point at the end of ``import torch``; ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``
+turns that off). :func:`autoload` costs the import of this module only: it watches for the import of
+``lightning.pytorch.strategies`` and ``pytorch_lightning.strategies`` and, right after either module has run,
+registers ``"bagua"`` in its ``StrategyRegistry`` through Lightning's public ``register``. What it registers is a
+small factory, so Bagua's strategy module (and Lightning) are imported only when a Trainer asks for ``"bagua"``.
+
+``import lightning_bagua`` calls :func:`install` too (older torch, autoloading turned off, or a source checkout
+that is not installed).
 
 Example:
     >>> from bagua.lightning import registration
@@ -23,10 +28,11 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
+import warnings
 from types import ModuleType
 from typing import Any, Callable, Optional, Sequence
 
-__all__ = ["install", "register", "LazyBaguaStrategy"]
+__all__ = ["autoload", "install", "register", "LazyBaguaStrategy"]
 
 #: The modules that define a ``StrategyRegistry``, and the flavor (see ``bagua.lightning._api``) of each.
 STRATEGY_MODULES: dict[str, str] = {
@@ -115,3 +121,12 @@ def install() -> None:
         module = sys.modules.get(name)
         if module is not None:
             register(module, flavor)
+
+
+def autoload() -> None:
+    """The ``torch.backends`` entry point: :func:`install`, warning instead of raising (an exception here would
+    make ``import torch`` itself fail)."""
+    try:
+        install()
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        warnings.warn(f"Bagua could not register Trainer(strategy='bagua'): {exc!r}; import lightning_bagua instead")

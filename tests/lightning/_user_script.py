@@ -4,6 +4,7 @@ Run as ``python _user_script.py OUT_PREFIX``; Lightning re-runs it for rank 1 (i
 writes its final weights and the strategy's class to ``OUT_PREFIX.<rank>``.
 """
 
+import os
 import sys
 
 import lightning.pytorch as pl
@@ -48,6 +49,7 @@ if __name__ == "__main__":
         {
             "strategy": f"{strategy.__module__}.{strategy.__qualname__}",
             "world_size": trainer.world_size,
+            "local_world_size": os.environ.get("LOCAL_WORLD_SIZE"),
             "weights": [p.detach().clone() for p in model.parameters()],
         },
         f"{sys.argv[1]}.{trainer.global_rank}",

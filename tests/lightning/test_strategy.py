@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -357,16 +356,18 @@ def test_algorithm(job, name):
 def test_user_script_without_bagua_import(tmp_path):
     """``Trainer(strategy="bagua", accelerator="cpu", devices=2)`` in a script that imports only Lightning.
 
-    The processes start as an installed Bagua makes them: ``site`` processes ``lightning_bagua.pth`` (copied
-    into a site directory that a ``sitecustomize`` adds, since a test cannot write to site-packages).
+    The processes start as an installed Bagua makes them: ``import torch`` runs the ``torch.backends`` entry
+    point of :mod:`bagua.lightning.registration`. The test declares that entry point in a stand-alone
+    ``.dist-info`` on ``PYTHONPATH`` (what installing Bagua with the entry point in pyproject.toml writes), so it
+    does not depend on how this checkout was installed.
     """
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    site_dir, startup = tmp_path / "site", tmp_path / "startup"
-    site_dir.mkdir()
-    startup.mkdir()
-    shutil.copy(os.path.join(root, "lightning_bagua", "lightning_bagua.pth"), site_dir)
-    (startup / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site_dir)!r})\n")
-    env = dict(os.environ, PYTHONPATH=str(startup), OMP_NUM_THREADS="1")
+    dist_info = tmp_path / "entrypoints" / "bagua_lightning_test-0.0.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: bagua-lightning-test\nVersion: 0.0\n")
+    (dist_info / "entry_points.txt").write_text(
+        "[torch.backends]\nbagua_lightning_test = bagua.lightning.registration:autoload\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(dist_info.parent), OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="1")
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_PORT"):
         env.pop(key, None)
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_user_script.py")
@@ -379,4 +380,5 @@ def test_user_script_without_bagua_import(tmp_path):
     for r in results:
         assert r["strategy"] == "bagua.lightning.for_lightning.BaguaStrategy"
         assert r["world_size"] == 2
+        assert r["local_world_size"] == "2", "the strategy must export LOCAL_WORLD_SIZE for Bagua"
     assert_close(results[0]["weights"], results[1]["weights"], rtol=0, atol=0)
