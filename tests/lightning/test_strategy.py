@@ -67,15 +67,15 @@ def _register_algorithms() -> list[str]:
 # -- the job ---------------------------------------------------------------------------------------------------
 
 
-def _fit(strategy, model, epochs=2, accumulate=1, callbacks=(), ckpt_path=None):
+def _fit(strategy, model, epochs=2, accumulate=1, callbacks=(), ckpt_path=None, accelerator="cpu", devices=2):
     import lightning.pytorch as pl
     from torch.utils.data import DataLoader
 
     from tests.lightning.models import BATCH, train_data, val_data
 
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=2,
+        accelerator=accelerator,
+        devices=devices,
         strategy=strategy,
         max_epochs=epochs,
         accumulate_grad_batches=accumulate,
@@ -348,6 +348,30 @@ def test_algorithm(job, name):
         assert_close(r["lightning"], r["reference"], **TOL)
     if synchronous:
         assert_close(results[0]["lightning"], results[1]["lightning"], rtol=0, atol=0)
+
+
+# -- one GPU ----------------------------------------------------------------------------------------------------
+
+
+def _worker_gpu(rank, world_size):
+    import lightning_bagua  # noqa: F401
+
+    model = _model()
+    trainer = _fit("bagua", model, accelerator="gpu", devices=1)  # the strategy initializes NCCL and Bagua
+    bagua_weights = [w.cpu() for w in _weights(model)]
+    backend = torch.distributed.get_backend()
+    model = _model()
+    _fit("ddp", model, accelerator="gpu", devices=1)
+    return bagua_weights, [w.cpu() for w in _weights(model)], backend, str(trainer.strategy.root_device)
+
+
+@pytest.mark.gpu
+def test_one_gpu_matches_torch_ddp():
+    (bagua_weights, ddp_weights, backend, device), = run_workers(
+        _worker_gpu, 1, init_bagua=False, timeout=JOB_TIMEOUT_S
+    )
+    assert (backend, device) == ("nccl", "cuda:0")
+    assert_close(bagua_weights, ddp_weights, **TOL)
 
 
 # -- a user's script: no Bagua import, Lightning's own launcher --------------------------------------------------
