@@ -75,6 +75,16 @@ def test_values_match_and_second_epoch_reads_only_the_cache(backend, tmp_path, r
         _assert_batches_equal(from_cache[i], Samples()[i])
 
 
+def test_spawned_workers_share_the_lmdb_cache(tmp_path):
+    path = str(tmp_path / "cache.lmdb")
+    cached = CachedDataset(Samples(), dataset_name="spawned", path=path)
+    cached[0]  # the parent holds an open handle; the pickled copies open their own
+    loader = DataLoader(cached, batch_size=8, num_workers=1, multiprocessing_context="spawn")
+    for got, expected in zip(loader, _reference_batches(8), strict=True):
+        _assert_batches_equal(got, expected)
+    assert cached.cache_loader.num_keys() == N
+
+
 def test_pending_writes_are_flushed_when_workers_exit(tmp_path):
     path = str(tmp_path / "cache.lmdb")
     cached = CachedDataset(Samples(), dataset_name="lazy", writer_buffer_size=1000, path=path)

@@ -5,9 +5,10 @@ loader never returns a wrong value and never loses one: it computes the value wi
 kind of fault, and leaves the store alone for ``retry_after_s`` seconds before trying it again. A corrupt entry is
 recomputed and rewritten.
 
-Writes are buffered and sent in one batch every ``writer_buffer_size`` new values, and when the process exits
-(DataLoader workers included, through :class:`multiprocessing.util.Finalize`); :meth:`CacheLoader.get_many`
-reads a whole batch with one request per store.
+:meth:`CacheLoader.get_many` (what ``CachedDataset`` serves a DataLoader batch with) reads a whole batch with one
+request per store and writes its misses with one more. :meth:`CacheLoader.get` buffers new values and writes them
+in one batch every ``writer_buffer_size`` values. Whatever is still buffered is written when the process exits,
+DataLoader workers included (through :class:`multiprocessing.util.Finalize`, which they run).
 
 Example:
     >>> import tempfile
@@ -68,7 +69,7 @@ class CacheLoader:
             :class:`~bagua.torch_api.contrib.utils.store.Store`.
         dataset_name: prefix of every key (``"{dataset_name}_{key}"``) and, for LMDB, the name of the database
             directory under ``BAGUA_CACHE_DIR``; give each dataset its own.
-        writer_buffer_size: new values buffered before one batched write.
+        writer_buffer_size: new values :meth:`get` buffers before one batched write (``get_many`` writes per call).
         retry_after_s: seconds the store is left alone after a fault.
         **kwargs: backend options: LMDB ``path``, ``map_size``, ``max_readers``; Redis ``hosts``, ``cluster_mode``,
             ``capacity_per_node``, ``maxmemory_policy``, ``bind``, ``socket_timeout``.
@@ -111,7 +112,7 @@ class CacheLoader:
         return state
 
     def get(self, key: Hashable, load_fn: Callable[[Any], Any]) -> Any:
-        """Return the value of ``key``: from the cache, else ``load_fn(key)`` (then cached).
+        """Return the value of ``key``: from the cache, else ``load_fn(key)`` (then buffered for writing).
 
         Args:
             key: any key whose ``str`` is stable and distinct, such as a sample index.
@@ -120,33 +121,24 @@ class CacheLoader:
         Returns:
             The value.
         """
-        return self.get_many([key], load_fn)[0]
+        value = self._lookup([key], load_fn)[0]
+        if len(self._pending) >= self.writer_buffer_size:
+            self.flush()
+        return value
 
     def get_many(self, keys: Sequence[Hashable], load_fn: Callable[[Any], Any]) -> list:
-        """Return the values of ``keys`` in order, with one batched read; misses are computed and buffered.
+        """Return the values of ``keys`` in order: one batched read, then one batched write of the misses.
 
         Args:
-            keys: the keys.
+            keys: the keys (e.g. the indices of one batch).
             load_fn: computes the value of one key.
 
         Returns:
             A list of values, ``load_fn(k)`` for every ``k`` of ``keys``.
         """
-        names = [f"{self.dataset_name}_{key}" for key in keys]
-        raws = self._read(names)
-        out = []
-        for key, name, raw in zip(keys, names, raws):
-            value = self._decoded(name, raw)
-            if value is _MISS:
-                self.misses += 1
-                value = load_fn(key)
-                self._buffer(name, value)
-            else:
-                self.hits += 1
-            out.append(value)
-        if len(self._pending) >= self.writer_buffer_size:
-            self.flush()
-        return out
+        values = self._lookup(list(keys), load_fn)
+        self.flush()
+        return values
 
     def num_keys(self) -> int:
         """Number of keys in the store (every dataset sharing it counted); pending writes are not."""
@@ -169,6 +161,20 @@ class CacheLoader:
             self._warn_once("down", f"cache store is unavailable; reading from the dataset instead ({error})")
 
     # ---------------------------------------------------------------------------------------------- internals
+
+    def _lookup(self, keys: list, load_fn: Callable[[Any], Any]) -> list:
+        names = [f"{self.dataset_name}_{key}" for key in keys]
+        out = []
+        for key, name, raw in zip(keys, names, self._read(names)):
+            value = self._decoded(name, raw)
+            if value is _MISS:
+                self.misses += 1
+                value = load_fn(key)
+                self._buffer(name, value)
+            else:
+                self.hits += 1
+            out.append(value)
+        return out
 
     def _read(self, names: list[str]) -> list[Optional[bytes]]:
         if time.monotonic() < self._reads_blocked_until:

@@ -34,7 +34,8 @@ class CachedDataset(Dataset):
             plain Python values, or lists/tuples/dicts of these.
         backend: ``"lmdb"`` (default), ``"redis"`` or a :class:`~bagua.torch_api.contrib.utils.store.Store`.
         dataset_name: the cache namespace; give every dataset (and every preprocessing variant) its own.
-        writer_buffer_size: new samples buffered before one batched write.
+        writer_buffer_size: new samples buffered before one batched write, when samples are read one by one
+            (a ``DataLoader`` with ``batch_size`` reads and writes whole batches instead).
         **kwargs: backend options, as for :class:`~bagua.torch_api.contrib.CacheLoader`.
 
     Example:

@@ -11,8 +11,8 @@ every server's address through one ``all_gather`` of a fixed-size ``uint8`` tens
 - keeps data in memory only (``save ""``, ``appendonly no``), capped by ``capacity_per_node`` bytes with the
   ``maxmemory_policy`` eviction policy (``allkeys-random`` by default, like the original; ``noeviction`` makes a
   full server refuse writes, which the cache treats as a store fault);
-- is terminated at interpreter exit (multiprocessing children included), and also when the process that started it dies without running exit
-  handlers (Linux ``setpriv --pdeathsig``, when available).
+- is terminated at interpreter exit (multiprocessing children included), and also when the process that
+  started it dies without running exit handlers (Linux ``setpriv --pdeathsig``, when available).
 
 With ``hosts=[{"host": ..., "port": ..., "password": ...}, ...]`` it only connects. ``cluster_mode=True`` spreads
 keys over all servers by rendezvous hashing (:class:`~.store.ClusterStore`); ``False`` uses the one server
@@ -173,9 +173,12 @@ class RedisStore(ClusterStore):
             raise ValueError(f"unknown maxmemory_policy {maxmemory_policy!r}; choose one of {list(_POLICIES)}")
         if socket_timeout <= 0:
             raise ValueError(f"socket_timeout={socket_timeout} must be a positive number of seconds")
-        if hosts is None:
+        started = hosts is None
+        if started:
             hosts = _job_servers(capacity_per_node, maxmemory_policy, bind)
         hosts = _checked_hosts(hosts)
+        # Only a store that asked for servers may stop this process's server; a connect-only store never does.
+        self._owns_server = started and _SERVER.get("pid") == os.getpid()
         if not cluster_mode:
             hosts = [hosts[env.get_node_rank() % len(hosts)]]
         self.hosts = hosts
@@ -183,9 +186,10 @@ class RedisStore(ClusterStore):
         super().__init__(shards, names=[f"{h['host']}:{h['port']}" for h in hosts])
 
     def shutdown(self) -> None:
-        """Close connections and stop the server this process started, if any (other ranks lose it too)."""
+        """Close connections; a store made with ``hosts=None`` also stops this process's server (for every rank)."""
         super().shutdown()
-        _stop_server()
+        if self._owns_server:
+            _stop_server()
 
 
 def _checked_hosts(hosts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

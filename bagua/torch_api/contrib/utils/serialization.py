@@ -268,10 +268,11 @@ def _decode_tensor(name: Any, shape: Any, offset: Any, nbytes: Any, payload: mem
     if dtype is None:
         raise CorruptEntryError(f"tensor dtype {name!r:.40} is not one of {sorted(_TORCH_DTYPES)}")
     raw = _slice(payload, offset, nbytes)
-    dims = _checked_shape(shape, torch.empty((), dtype=dtype).element_size(), nbytes)
+    dims = _checked_shape(shape, dtype.itemsize, nbytes)
     if nbytes == 0:
         return torch.empty(dims, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(dims)
+    # A fresh bytearray is malloc-aligned, so the tensor can take the dtype directly.
+    return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(dims)
 
 
 def _decode_array(descr: Any, shape: Any, offset: Any, nbytes: Any, payload: memoryview) -> np.ndarray:
