@@ -80,7 +80,7 @@ def worker(args) -> None:
     bagua.init_process_group()
     rank = dist.get_rank()
     if args.streams > 1:
-        multistream.enable(None, num_streams=args.streams)
+        multistream.enable(None, num_streams=args.streams, calibrate_streams=False)  # autotune picks
     model, d_in, d_out = build_model(args.model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     model.with_bagua([opt], GradientAllReduceAlgorithm())

@@ -92,16 +92,18 @@ def worker(args) -> None:
     # every group (= TCP connection) is created before the driver shapes the links
     msg = multistream.MultiStreamGroup(max_streams=max(streams))
     systems = {}  # name -> (model, optimizer, MultiStreamGroup or None, streams)
-    for name, k in (("ddp", 1), (f"ddp+multistream{k_e2e}", k_e2e)):
+    for name, k in (("ddp", 1), (f"ddp+multistream{k_e2e}", k_e2e), ("ddp+multistream(auto)", 0)):
         ddp = torch.nn.parallel.DistributedDataParallel(build_model("mlp", seed=0))
-        systems[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3),
-                         multistream.enable(ddp, num_streams=k) if k > 1 else None, k)
+        group = None
+        if k != 1:  # k == 0: enable()'s default, calibrated once the links are shaped
+            group = multistream.enable(ddp, num_streams=k or multistream.DEFAULT_NUM_STREAMS, calibrate_streams=False)
+        systems[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3), group, k)
     if args.bagua:
         import bagua.torch_api as bagua
         from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 
         bagua.init_process_group()
-        bagua_msg = multistream.enable(None, num_streams=k_e2e)  # Bagua's default group; streams set per system
+        bagua_msg = multistream.enable(None, num_streams=k_e2e, calibrate_streams=False)  # streams set per system
         for name, k in (("bagua", 1), (f"bagua+multistream{k_e2e}", k_e2e)):
             model = build_model("mlp", seed=0)
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -112,6 +114,11 @@ def worker(args) -> None:
         group.allreduce_(torch.ones(4 << 20))  # opens every connection
     _wait_for_driver(args.result, rank)
     result = {"allreduce": {}, "e2e": {}}
+    auto = systems["ddp+multistream(auto)"]
+    t0 = time.perf_counter()
+    chosen = multistream.calibrate(auto[2])
+    result["calibration"] = {"chosen_streams": chosen, "seconds": time.perf_counter() - t0}
+    systems["ddp+multistream(auto)"] = (auto[0], auto[1], auto[2], chosen)
 
     # 1. allreduce bandwidth, settings interleaved
     for size_mb in [float(s) for s in args.sizes_mb.split(",")]:
@@ -231,19 +238,21 @@ def run_rate(cluster, rate: str, args, workdir: str, port: int) -> dict:
 def print_report(results: dict, args) -> None:
     streams = args.streams.split(",")
     print("\nallreduce, 2 hosts, gloo: median time (algbw GB/s)")
-    print(f"{'rate':>9} {'size MB':>8} " + " ".join(f"{k + ' stream(s)':>22}" for k in streams) + "  best/1")
+    print(f"{'rate':>13} {'size MB':>8} " + " ".join(f"{k + ' stream(s)':>22}" for k in streams) + "  best/1")
     for rate, res in results.items():
         for size, by_k in res["allreduce"].items():
             cells = [f"{by_k[k]['median_s'] * 1e3:9.1f} ms ({by_k[k]['gbps']:5.2f})" for k in streams]
             best = min(by_k[k]["median_s"] for k in streams)
-            print(f"{rate:>9} {float(size):8.0f} " + " ".join(f"{c:>22}" for c in cells)
+            print(f"{rate:>13} {float(size):8.0f} " + " ".join(f"{c:>22}" for c in cells)
                   + f"  {by_k[streams[0]]['median_s'] / best:5.2f}x")
     print("\nend-to-end training step (MLP 25.2 M params), median")
     for rate, res in results.items():
         base = {"ddp": res["e2e"]["ddp"]["median_s"], "bagua": res["e2e"].get("bagua", {}).get("median_s")}
         for name, v in res["e2e"].items():
             ref = base["bagua" if name.startswith("bagua") else "ddp"]
-            print(f"{rate:>9} {name:>22} {v['median_s'] * 1e3:8.1f} ms  speedup {ref / v['median_s']:5.2f}x")
+            print(f"{rate:>13} {name:>22} {v['median_s'] * 1e3:8.1f} ms  speedup {ref / v['median_s']:5.2f}x")
+        cal = res["calibration"]
+        print(f"{rate:>13} calibration chose {cal['chosen_streams']} stream(s) in {cal['seconds']:.1f} s")
 
 
 def main(argv=None) -> int:

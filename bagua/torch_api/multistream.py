@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import time
 import warnings
 from typing import Any, Mapping, MutableMapping, Optional, Union
 
@@ -40,6 +41,7 @@ __all__ = [
     "NCCL_SOCKET_DEFAULTS",
     "enable",
     "disable",
+    "calibrate",
     "get",
     "allreduce_inplace",
     "all_reduce_async",
@@ -49,12 +51,14 @@ __all__ = [
     "apply_nccl_socket_env",
 ]
 
-#: Streams created by :func:`enable` when none is given. On the emulated hosts (docs/tcp_tuning.md) 2 and 4
-#: streams measured alike and more added nothing; Bagua-Net's own default was 2.
+#: Streams created by :func:`enable` when none is given (:func:`calibrate` then keeps 1, 2 or 4). With a per-flow
+#: cap, 4 streams gave the most on the emulated hosts (docs/tcp_tuning.md); Bagua-Net's own default was 2.
 DEFAULT_NUM_STREAMS = 4
 #: A piece smaller than this goes on fewer streams: below ~1 MiB the per-collective cost outweighs the gain
 #: (Bagua-Net's BAGUA_NET_MIN_CHUNKSIZE was 1 MiB for the same reason).
 DEFAULT_MIN_CHUNK_BYTES = 1 << 20
+#: Size :func:`calibrate` measures: about the engine's 10 MiB default bucket.
+DEFAULT_CALIBRATION_BYTES = 16 << 20
 
 #: NCCL socket transport settings used by :func:`nccl_socket_env` when ``--enable_bagua_net`` is on. NCCL's own
 #: defaults are 1 thread x 1 socket per peer; its documentation caps the product at 64. These were NOT measured
@@ -283,28 +287,77 @@ multistream_allreduce_hook.__annotations__.update(bucket=dist.GradBucket, state=
 multistream_allreduce_hook.__annotations__["return"] = torch.futures.Future[torch.Tensor]
 
 
+def calibrate(msg: MultiStreamGroup, nbytes: int = DEFAULT_CALIBRATION_BYTES, repeats: int = 3,
+              margin: float = 0.1) -> int:
+    """Measure the stream counts on this network and keep the fastest; collective over ``msg``'s ranks.
+
+    Times an allreduce of ``nbytes`` with 1, 2, 4, ... streams (up to ``msg.max_streams``), ``repeats``
+    rounds after one warm-up round, settings interleaved. Every rank takes the slowest rank's median, so all
+    choose alike. More than one stream is kept only when it is at least ``margin`` faster than one: where one
+    TCP stream already fills the link (or the CPU is the limit) the answer is 1, so enabling costs nothing.
+
+    Returns:
+        The chosen stream count (also set as ``msg.num_streams``).
+
+    Example:
+        >>> calibrate(MultiStreamGroup(max_streams=4))  # doctest: +SKIP
+        4
+    """
+    if not msg.is_member() or len(msg.ranks) < 2:
+        return msg.num_streams
+    group = msg.groups[0]
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
+        torch.device("cpu")
+    x = torch.zeros(max(nbytes // 4, 1), device=device)
+    candidates = [k for k in (1, 2, 4, 8, 16) if k <= msg.max_streams]
+    times = torch.zeros(len(candidates), repeats, dtype=torch.float64)
+    for r in range(repeats + 1):
+        for i, k in enumerate(candidates):
+            msg.num_streams = k
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            msg.allreduce_(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if r > 0:
+                times[i, r - 1] = time.perf_counter() - t0
+    medians = times.median(dim=1).values.to(device)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=group)
+    medians = medians.cpu().tolist()
+    best = min(range(len(candidates)), key=lambda i: medians[i])
+    chosen = candidates[best] if medians[best] < (1 - margin) * medians[0] else 1
+    msg.num_streams = chosen
+    msg.calls = msg.split_calls = 0
+    return chosen
+
+
 def enable(target: Any = None, num_streams: int = DEFAULT_NUM_STREAMS,
-           min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> MultiStreamGroup:
+           min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES, calibrate_streams: bool = True) -> MultiStreamGroup:
     """Allreduce over several TCP streams; collective: every process calls it, in the same order.
 
     Args:
         target: a ``torch.nn.parallel.DistributedDataParallel`` (a comm hook is registered on it), a module
             wrapped by Bagua (its group is used), a Bagua or torch group, or ``None`` (Bagua's default group).
-            For Bagua, gradient allreduce buckets of that group then go through :func:`allreduce_inplace`.
-        num_streams: streams to create and use.
+            For Bagua, gradient allreduce buckets of that group then go through :func:`all_reduce_async` /
+            :func:`allreduce_inplace`.
+        num_streams: streams to create (the most that will be used).
         min_chunk_bytes: the smallest piece a tensor is cut into.
+        calibrate_streams: measure 1, 2, 4 ... ``num_streams`` streams once (:func:`calibrate`, about a second
+            on a 1 Gbit/s link) and use the fastest; ``False`` uses ``num_streams`` as given.
 
     Returns:
-        The :class:`MultiStreamGroup`; lower its ``num_streams`` at any time between steps.
+        The :class:`MultiStreamGroup`; change its ``num_streams`` at any time between steps (autotune does).
 
     Example:
         >>> msg = multistream.enable(ddp_model, num_streams=4)  # doctest: +SKIP
     """
     if isinstance(target, torch.nn.parallel.DistributedDataParallel):
         msg = MultiStreamGroup(target.process_group, num_streams, min_chunk_bytes)
-        if dist.get_backend(msg.groups[0] if msg.groups else None) != "gloo":
+        if msg.groups and dist.get_backend(msg.groups[0]) != "gloo":
             warnings.warn("multistream splitting is meant for gloo; with NCCL set nccl_socket_env() before "
                           "init_process_group instead", stacklevel=2)
+        if calibrate_streams:
+            calibrate(msg)
         target.register_comm_hook(msg, multistream_allreduce_hook)
         return msg
     bagua_ddp = getattr(target, "bagua_ddp", None)
@@ -312,13 +365,15 @@ def enable(target: Any = None, num_streams: int = DEFAULT_NUM_STREAMS,
         target = bagua_ddp.process_group
     elif target is not None and hasattr(target, "process_group") and hasattr(target, "bagua_buckets"):
         target = target.process_group  # the engine object itself
-    existing = get(target)
-    if existing is not None:
-        existing.num_streams = min(num_streams, existing.max_streams)
-        return existing
-    msg = MultiStreamGroup(target, num_streams, min_chunk_bytes)
-    base, _ = _torch_group_and_ranks(target)
-    _registry[_group_key(base)] = msg
+    msg = get(target)
+    if msg is None:
+        msg = MultiStreamGroup(target, num_streams, min_chunk_bytes)
+        base, _ = _torch_group_and_ranks(target)
+        _registry[_group_key(base)] = msg
+    if calibrate_streams:
+        calibrate(msg)
+    else:
+        msg.num_streams = min(num_streams, msg.max_streams)
     return msg
 
 

@@ -40,7 +40,8 @@ def _worker_allreduce(rank, world_size, numel, num_streams, op_name):
     # the engine-facing call: an async allreduce of the enabled group, waited later
     from bagua.torch_api import multistream
 
-    enabled = multistream.enable(None, num_streams=num_streams, min_chunk_bytes=4096)
+    enabled = multistream.enable(None, num_streams=num_streams, min_chunk_bytes=4096,
+                                 calibrate_streams=False)
     launched = x.clone()
     work = multistream.all_reduce_async(launched)
     work.wait()
@@ -79,7 +80,7 @@ def _worker_ddp_hook(rank, world_size):
 
     model = make_model(rank)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    msg = multistream.enable(ddp, num_streams=3, min_chunk_bytes=256)
+    msg = multistream.enable(ddp, num_streams=3, min_chunk_bytes=256, calibrate_streams=False)
     _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), rank)
     return params_of(reference), params_of(model), msg.split_calls
 
@@ -98,7 +99,8 @@ def _worker_bagua(rank, world_size):
     for use_multistream in (False, True):
         model = make_model(rank)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        msg = multistream.enable(None, num_streams=2, min_chunk_bytes=256) if use_multistream else None
+        msg = (multistream.enable(None, num_streams=2, min_chunk_bytes=256, calibrate_streams=False)
+               if use_multistream else None)
         model.with_bagua([opt], GradientAllReduceAlgorithm())
         _train(model, opt, rank)
         out.append(params_of(model))
@@ -110,6 +112,24 @@ def test_bagua_gradient_allreduce_uses_enabled_streams():
     for plain, multi, split_calls in run_workers(_worker_bagua, 2):
         assert_close(multi, plain, **EXACT)
         assert split_calls > 0
+
+
+def _worker_calibrate(rank, world_size):
+    from bagua.torch_api.multistream import MultiStreamGroup, calibrate
+
+    msg = MultiStreamGroup(max_streams=4)
+    chosen = calibrate(msg, nbytes=1 << 20, repeats=2)
+    x = torch.full((1000,), float(rank + 1))
+    msg.allreduce_(x)
+    return chosen, msg.num_streams, x
+
+
+def test_calibration_chooses_alike_on_every_rank():
+    results = run_workers(_worker_calibrate, 2)
+    assert results[0][0] == results[1][0] == results[0][1] == results[1][1]
+    assert results[0][0] in (1, 2, 4)
+    for _, _, x in results:
+        assert_close(x, torch.full((1000,), 3.0), **EXACT)
 
 
 def test_nccl_socket_env_validates():
