@@ -81,6 +81,19 @@ def _all_gather(t: torch.Tensor, group=None) -> list[torch.Tensor]:
     return out
 
 
+# -- construction ----------------------------------------------------------------------------------------------
+
+
+def test_registered_by_name_and_validated():
+    from bagua.torch_api.algorithms import Algorithm
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+
+    assert Algorithm.init("bytegrad", error_feedback=True) == ByteGradAlgorithm(error_feedback=True)
+    assert ByteGradAlgorithm() == ByteGradAlgorithm(hierarchical=True, average=True, error_feedback=False)
+    with pytest.raises(ValueError, match="error_feedback=...\\) must be True or False"):
+        ByteGradAlgorithm(error_feedback="yes")
+
+
 # -- parity ----------------------------------------------------------------------------------------------------
 
 

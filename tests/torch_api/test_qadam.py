@@ -71,10 +71,13 @@ def test_bad_optimizer_arguments(kwargs, match):
 
 
 def test_algorithm_needs_a_qadam_optimizer():
-    from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm
+    from bagua.torch_api.algorithms import Algorithm
+    from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 
     with pytest.raises(ValueError, match="QAdamOptimizer"):
         QAdamAlgorithm(torch.optim.Adam(torch.nn.Linear(2, 2).parameters()))
+    opt = QAdamOptimizer(torch.nn.Linear(2, 2).parameters(), warmup_steps=5)
+    assert Algorithm.init("qadam", q_adam_optimizer=opt) == QAdamAlgorithm(opt, hierarchical=True)
 
 
 # -- the compressed stage against a plain reference ------------------------------------------------------------
