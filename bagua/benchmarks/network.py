@@ -191,6 +191,7 @@ def run_suite(args: argparse.Namespace) -> tuple[list[dict], dict]:
                         bar.set_postfix_str(job.describe())
                         port = (env.find_free_network_port() if not emulate else 20000 + len(rows) % 20000)
                         rows.append(run_job(cluster, job, workdir, port, args.job_timeout))
+                        rows[-1]["run"] = meta["started"]
                         if rows[-1]["status"] != "ok":
                             tqdm.write(f"{job.describe()}: {rows[-1]['status']}: {rows[-1].get('error', '')[-300:]}",
                                        file=sys.stderr)

@@ -8,7 +8,8 @@ Words used in every output:
 - *bytes/step*: bytes a host's interface transmitted per timed step (``/proc/net/dev``), averaged over hosts.
   On the loopback fallback every process shares ``lo``, so it is the loopback total divided by the host count
   and includes any other traffic on the machine (marked approximate).
-- *line rate*: bytes/step / (step x link rate): how much of its link a host kept busy.
+- *line rate*: bytes sent during the timed steps / (their total duration x link rate): how much of its link
+  a host kept busy.
 - Phases, per step: *compute* = median step of an unwrapped replica with no communication; *compress* =
   estimated codec time (encode/decode passes of the algorithm, timed in-process); *communicate* = time
   communication operations were running (union of Bagua bucket executions or DDP comm-hook futures) minus
@@ -30,6 +31,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import textwrap
 from typing import Optional, Sequence
 
@@ -42,6 +44,8 @@ __all__ = [
     "write_results",
     "plot",
     "machine_info",
+    "merge",
+    "main",
     "GOALS",
 ]
 
@@ -71,8 +75,11 @@ def summarize_ranks(ranks: list[dict], rate_bps: Optional[int], emulated: bool) 
     step = max(r["median_step_s"] for r in ranks)
     if emulated:
         per_step = statistics.mean(r["tx_bytes"] / r["timed_steps"] for r in ranks)
+        # bytes over the whole timed window / its duration (a median step would not match a mean of bytes)
+        bits_per_s = statistics.mean(8 * r["tx_bytes"] / sum(r["step_times_s"]) for r in ranks)
     else:
         per_step = ranks[0]["tx_bytes"] / ranks[0]["timed_steps"] / world
+        bits_per_s = 8 * per_step * ranks[0]["timed_steps"] / sum(ranks[0]["step_times_s"])
     compute = _median([r.get("compute_step_s") for r in ranks])
     busy = _median([r.get("comm_busy_s") for r in ranks])
     codec = _median([r.get("codec_s") for r in ranks])
@@ -84,7 +91,8 @@ def summarize_ranks(ranks: list[dict], rate_bps: Optional[int], emulated: bool) 
         "samples_per_s": world * ranks[0]["batch_size"] / step,
         "bytes_per_step": per_step,
         "bytes_approximate": not emulated,
-        "line_rate": per_step * 8 / (step * rate_bps) if rate_bps else None,
+        "line_rate": bits_per_s / rate_bps if rate_bps else None,
+        "warmup": ranks[0]["warmup"],
         "compute_s": compute,
         "compress_s": codec,
         "communicate_s": max(busy - (codec or 0.0), 0.0) if busy is not None else None,
@@ -98,14 +106,25 @@ def summarize_ranks(ranks: list[dict], rate_bps: Optional[int], emulated: bool) 
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
-    """Add ``speedup`` (DDP step / step) and ``step_ratio`` (step / DDP step) to every successful row."""
-    ddp = {(r["model"], r["hosts"], r["bandwidth"]): r["step_s"] for r in rows
-           if r["system"] == "ddp" and r.get("status") == "ok"}
+    """Add ``speedup`` (DDP step / step) and ``step_ratio`` (step / DDP step) to every successful row.
+
+    The baseline is the DDP row of the same suite run (``run``), model, hosts and bandwidth; a row whose run
+    has no such DDP row keeps the speedup computed earlier, if any.
+    """
+
+    def key(r: dict) -> tuple:
+        return (r.get("run"), r["model"], r["hosts"], r["bandwidth"])
+
+    ddp = {key(r): r["step_s"] for r in rows if r["system"] == "ddp" and r.get("status") == "ok"}
     for r in rows:
-        base = ddp.get((r["model"], r["hosts"], r["bandwidth"]))
-        ok = r.get("status") == "ok" and base is not None
-        r["speedup"] = base / r["step_s"] if ok else None
-        r["step_ratio"] = r["step_s"] / base if ok else None
+        base = ddp.get(key(r))
+        if r.get("status") != "ok":
+            r["speedup"] = r["step_ratio"] = None
+        elif base is not None:
+            r["speedup"], r["step_ratio"] = base / r["step_s"], r["step_s"] / base
+        else:
+            r.setdefault("speedup", None)
+            r.setdefault("step_ratio", None)
     return rows
 
 
@@ -214,7 +233,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
             xs = [j for j, b in enumerate(bands) if b in pts]
             if not xs:
                 continue
-            style = {"marker": markers[i % len(markers)], "label": system,
+            style = {"marker": markers[i % len(markers)], "color": f"C{i % 10}", "label": system,
                      "linestyle": "--" if system.startswith("ddp") else "-"}
             axes[0][col].plot(xs, [pts[bands[j]]["step_s"] * 1e3 for j in xs], **style)
             sp = [(j, pts[bands[j]]["speedup"]) for j in xs if pts[bands[j]].get("speedup") is not None]
@@ -245,3 +264,49 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def merge(paths: Sequence[str]) -> tuple[list[dict], dict]:
+    """Concatenate the results of several suite runs (JSON files written by :func:`write_results`).
+
+    Speedups are computed inside each run first, so they always compare with the DDP of the same run.
+    """
+    rows: list[dict] = []
+    metas = []
+    for path in paths:
+        with open(path) as f:
+            data = json.load(f)
+        rows += add_speedups(data["results"])  # against the DDP of the same run, before anything is dropped
+        metas.append(data["meta"])
+    # a configuration measured again (e.g. a failed run repeated) keeps its last successful result
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["model"], r["hosts"], r["bandwidth"], r["system"])
+        if key not in best or r.get("status") == "ok" or best[key].get("status") != "ok":
+            best[key] = r
+    rows = list(best.values())
+    return add_speedups(rows), {"command": " && ".join(m.get("command", "") for m in metas), "runs": metas}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``python -m bagua.benchmarks.report A.json B.json --out-dir D --name N``: merge runs into one table,
+    JSON, CSV and plot (speedups stay relative to the DDP run of the same file and configuration)."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m bagua.benchmarks.report", description=main.__doc__.splitlines()[0])
+    p.add_argument("inputs", nargs="+", help="JSON files written by bagua-bench")
+    p.add_argument("--out-dir", required=True)
+    p.add_argument("--name", required=True)
+    args = p.parse_args(argv)
+    rows, meta = merge(args.inputs)
+    goals = check_goals(rows)
+    print(format_table(rows))
+    if goals:
+        print()
+        print(format_goals(goals))
+    print("\nwrote " + ", ".join(write_results(args.out_dir, args.name, rows, meta, goals=goals)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -146,10 +146,33 @@ def _batches(args: argparse.Namespace, rank: int, world: int) -> tuple[list, Opt
 # -- systems -------------------------------------------------------------------------------------------------
 
 
+def load_algorithm_modules() -> None:
+    """Import every module of ``bagua.torch_api.algorithms``, so that algorithms register their names even
+    before the package imports them; a module that fails to import is reported and skipped."""
+    import importlib
+    import pkgutil
+    import sys
+    import warnings
+
+    import bagua.torch_api.algorithms as package
+
+    for info in pkgutil.iter_modules(package.__path__):
+        name = f"{package.__name__}.{info.name}"
+        if name in sys.modules:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - one broken algorithm must not stop the others
+            print(f"bagua-bench: skipping {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+
 def available_systems() -> list[str]:
     """``ddp``, ``ddp_fp16``, ``ddp_powersgd``, then every registered Bagua algorithm name."""
     from bagua.torch_api.algorithms import GlobalAlgorithmRegistry
 
+    load_algorithm_modules()
     return list(DDP_SYSTEMS) + GlobalAlgorithmRegistry.available_algorithms()
 
 
@@ -217,12 +240,15 @@ def _timed_hook(hook: Callable, timer: _IntervalTimer) -> Callable:
 
 
 def _time_bagua_buckets(model: torch.nn.Module, timer: _IntervalTimer) -> None:
-    """Record each bucket execution (on the engine's comm thread) as an interval. Buckets are rebuilt when an
-    algorithm resets, so this runs before every step and wraps only buckets it has not wrapped yet."""
+    """Record each bucket's communication as an interval: a bucket run on the engine's comm thread from the
+    start to the end of ``execute()``, a bucket launched directly as one async collective (``async_launcher``)
+    from the launch to the completion of its future. Buckets are rebuilt when an algorithm resets, so this runs
+    before every step and wraps only buckets it has not wrapped yet. It instruments this benchmark's own bucket
+    objects, nothing of torch."""
     for bucket in model.bagua_ddp.bagua_buckets:
         if getattr(bucket, "_bench_timed", False):
             continue
-        execute = bucket.execute
+        execute, async_launcher = bucket.execute, bucket.async_launcher
 
         def timed_execute(execute=execute) -> None:
             start = time.perf_counter()
@@ -231,19 +257,49 @@ def _time_bagua_buckets(model: torch.nn.Module, timer: _IntervalTimer) -> None:
             finally:
                 timer.add(start, time.perf_counter())
 
-        bucket.execute = timed_execute  # instrumentation of this benchmark's own bucket objects only
+        def timed_async_launcher(async_launcher=async_launcher) -> Optional[Callable]:
+            launch = async_launcher()
+            if launch is None:
+                return None
+
+            def timed_launch(b: Any, flat: torch.Tensor) -> Any:
+                start = time.perf_counter()
+                handle = launch(b, flat)
+                work = getattr(handle, "work", handle)  # bucket.AsyncHandle holds the torch Work
+                if work is not None and hasattr(work, "get_future"):
+                    work.get_future().then(lambda fut: timer.add(start, time.perf_counter()))
+                return handle
+
+            return timed_launch
+
+        bucket.execute = timed_execute
+        bucket.async_launcher = timed_async_launcher
         bucket._bench_timed = True
 
 
-def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: float, total_steps: int) -> System:
-    """Wrap ``model`` for ``name`` (a DDP variant or a Bagua algorithm name) and build its optimizer."""
+def untimed_steps(system: str, requested: int, qadam_warmup: int) -> int:
+    """Steps to leave untimed: at least ``requested``, and past a system's own start-up phase (PowerSGD's two
+    vanilla allreduces and first factorization; QAdam's full-precision warmup and its switch step), so that the
+    timed steps measure the system in its steady state."""
+    if system == "ddp_powersgd":
+        return max(requested, 3)
+    if system == "qadam":
+        return max(requested, qadam_warmup + 1)
+    return requested
+
+
+def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: float, qadam_warmup: int) -> System:
+    """Wrap ``model`` for ``name`` (a DDP variant or a Bagua algorithm name) and build its optimizer;
+    ``qadam_warmup`` is QAdam's number of full-precision steps."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     timer = _IntervalTimer()
     if name in DDP_SYSTEMS:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-        ddp = DDP(model)
+        # torch's powerSGD_hook waits for a collective inside a future callback; on gloo two buckets in flight
+        # block both of gloo's worker threads and the step deadlocks, so PowerSGD gets one bucket
+        ddp = DDP(model, bucket_cap_mb=1024) if name == "ddp_powersgd" else DDP(model)
         notes: list[str] = []
         if name == "ddp":
             timer = None
@@ -253,20 +309,20 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
             # start_powerSGD_iter must be > 1 (DDP rebuilds its buckets after the first iteration)
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
             ddp.register_comm_hook(state, _timed_hook(powerSGD_hook.powerSGD_hook, timer))
-            notes.append("PowerSGD rank 1, error feedback, vanilla allreduce in step 1")
+            notes.append("PowerSGD rank 1, error feedback, one bucket; its 2 vanilla allreduce steps are untimed")
         return System(ddp, _make_optimizer(optimizer_kind, ddp.parameters(), lr), ddp.no_sync, timer, notes=notes)
 
     from bagua.torch_api.algorithms import Algorithm, GlobalAlgorithmRegistry
 
+    load_algorithm_modules()
     notes = []
     if name == "qadam":
         from bagua.torch_api.algorithms.q_adam import QAdamOptimizer
 
-        warmup = max(1, total_steps // 5)
         optimizer = QAdamOptimizer(model.parameters(), lr=lr if optimizer_kind == "adam" else 1e-3,
-                                   warmup_steps=warmup)
+                                   warmup_steps=qadam_warmup)
         algorithm = GlobalAlgorithmRegistry.get("qadam")(optimizer)
-        notes.append(f"QAdamOptimizer, warmup_steps={warmup}")
+        notes.append(f"QAdamOptimizer, warmup_steps={qadam_warmup}")
     else:
         optimizer = _make_optimizer(optimizer_kind, model.parameters(), lr)
         algorithm = Algorithm.init(name)
@@ -390,13 +446,20 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     spec = MODELS[args.model]
     optimizer_kind = "adam" if spec.classify else "sgd"
     lr = args.lr if args.lr is not None else (0.002 if spec.classify else 0.01)
+    # QAdam's full-precision warmup: 20 % of the steps (the 1-bit Adam paper's advice) on digits, 1 step on
+    # the synthetic models, which measure speed only
+    if spec.classify:
+        qadam_warmup = max(1, len(_batches(args, rank, world)[0]) // 5)
+    else:
+        qadam_warmup = 1
+    args.warmup = untimed_steps(args.system, args.warmup, qadam_warmup)
     batches, test = _batches(args, rank, world)
     if len(batches) <= args.warmup:
         raise ValueError(f"{len(batches)} steps in total but --warmup={args.warmup}: add epochs or steps")
     model = build_model(args.model, args.seed)
     replica = copy.deepcopy(model) if args.compute_steps else None
     numel = sum(p.numel() for p in model.parameters())
-    system = make_system(args.system, model, optimizer_kind, lr, len(batches))
+    system = make_system(args.system, model, optimizer_kind, lr, qadam_warmup)
     loss_fn = _loss_fn(spec.classify)
 
     times, losses, tx_start, comm_busy = [], [], 0, 0.0

@@ -76,13 +76,14 @@ def test_speedups_and_goals():
 
 
 def test_summarize_ranks_line_rate_and_phases():
-    ranks = [{"median_step_s": 0.5 + 0.1 * r, "step_times_s": [0.5], "timed_steps": 4, "batch_size": 32,
+    ranks = [{"median_step_s": 0.5 + 0.1 * r, "step_times_s": [0.5 + 0.1 * r] * 4, "timed_steps": 4,
+              "batch_size": 32, "warmup": 3,
               "tx_bytes": 4 * 50_000_000, "compute_step_s": 0.1, "comm_busy_s": 0.4, "codec_s": 0.05,
               "accuracy": None, "final_loss": 1.0, "params": 10} for r in range(2)]
     s = report.summarize_ranks(ranks, 10**9, emulated=True)
     assert s["step_s"] == pytest.approx(0.6)  # the slowest host
     assert s["bytes_per_step"] == 50_000_000
-    assert s["line_rate"] == pytest.approx(50e6 * 8 / (0.6 * 1e9))
+    assert s["line_rate"] == pytest.approx((50e6 * 8 / 0.5 + 50e6 * 8 / 0.6) / 2 / 1e9)
     assert s["communicate_s"] == pytest.approx(0.35)
     assert s["wait_s"] == pytest.approx(0.5)
     loop = report.summarize_ranks(ranks, None, emulated=False)
