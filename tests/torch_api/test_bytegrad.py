@@ -173,8 +173,9 @@ def test_matches_plain_reference(world_size, hierarchical, error_feedback, small
         assert_close(got, results[0][1], rtol=0, atol=0)  # every rank holds identical weights
 
 
-def _worker_unflattened(rank, world_size):
-    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+def _worker_variants(rank, world_size):
+    from bagua.torch_api import communication
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm, low_precision_allreduce_inplace
 
     out = {}
     for flatten in (True, False):
@@ -188,12 +189,25 @@ def _worker_unflattened(rank, world_size):
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
         out[flatten] = params_of(model)
+    # a size that does not split evenly, and half precision, go through a float32 zero-padded staging copy
+    c = communication._get_default_group().get_global_communicator()
+    g = torch.randn(1001, generator=torch.Generator().manual_seed(rank))
+    odd, padded = g.clone(), _padded(g, world_size)
+    low_precision_allreduce_inplace(odd, c)
+    low_precision_allreduce_inplace(padded, c)
+    half, as_float = g.half(), g.half().float()
+    low_precision_allreduce_inplace(half, c)
+    low_precision_allreduce_inplace(as_float, c)
+    out["odd"] = (odd, padded[:1001])
+    out["half"] = (half, as_float.half())
     return out
 
 
-def test_unflattened_buckets_give_the_same_result():
-    for out in run_workers(_worker_unflattened, 2):
+def test_unflattened_odd_sized_and_half_precision_buckets():
+    for out in run_workers(_worker_variants, 2):
         assert_close(out[False], out[True], rtol=0, atol=0)
+        for got, expected in (out["odd"], out["half"]):
+            assert_close(got, expected, rtol=0, atol=0)
 
 
 # -- error feedback --------------------------------------------------------------------------------------------

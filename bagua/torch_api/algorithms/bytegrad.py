@@ -77,17 +77,18 @@ class Workspace:
         numel: elements of the flat bucket.
         nranks: ranks of the communicator (the bucket splits into that many chunks).
         device: the bucket's device.
-        stage: whether the bucket needs a float32 copy (its dtype is not float32 or its size is not a multiple
-            of ``nranks``).
         error_feedback: keep the error-feedback residuals.
+
+    A float32 staging copy of the bucket is added when its size is not a multiple of ``nranks`` or, at the first
+    call, when its dtype is not float32.
     """
 
-    __slots__ = ("numel", "nranks", "length", "segments", "send", "recv", "mine", "work", "staging",
-                 "residual", "server_residual")
+    __slots__ = (
+        "numel", "nranks", "length", "segments", "send", "recv", "mine", "work", "staging", "residual",
+        "server_residual",
+    )
 
-    def __init__(
-        self, numel: int, nranks: int, device: torch.device, stage: bool = False, error_feedback: bool = False
-    ) -> None:
+    def __init__(self, numel: int, nranks: int, device: torch.device, error_feedback: bool = False) -> None:
         # shape
         self.numel = numel
         self.nranks = nranks
@@ -99,10 +100,12 @@ class Workspace:
         self.mine = [wire_buffer(1, b - a, device) for a, b in self.segments]
         # float buffers
         self.work = scratch_buffer(min(self.length, SEGMENT), device)
-        stage = stage or nranks * self.length != numel
-        self.staging = torch.zeros(nranks * self.length, dtype=torch.float32, device=device) if stage else None
+        self.staging = self._new_staging(device) if nranks * self.length != numel else None
         self.residual = torch.zeros(nranks, self.length, device=device) if error_feedback else None
         self.server_residual = torch.zeros(self.length, device=device) if error_feedback else None
+
+    def _new_staging(self, device: torch.device) -> torch.Tensor:
+        return torch.zeros(self.nranks * self.length, dtype=torch.float32, device=device)
 
 
 def low_precision_allreduce_inplace(
@@ -123,9 +126,11 @@ def low_precision_allreduce_inplace(
     if c.group is None or c.nranks() == 1:
         return
     n, r = c.nranks(), c.rank()
-    ws = workspace or Workspace(flat.numel(), n, flat.device, stage=flat.dtype != torch.float32)
+    ws = workspace or Workspace(flat.numel(), n, flat.device)
     if ws.numel != flat.numel() or ws.nranks != n:
         raise ValueError(f"workspace was built for {ws.numel} elements on {ws.nranks} ranks, got {flat.numel()} / {n}")
+    if ws.staging is None and flat.dtype != torch.float32:
+        ws.staging = ws._new_staging(flat.device)
     x = flat.view(-1)
     if ws.staging is not None:
         ws.staging[: ws.numel].copy_(x)
@@ -203,9 +208,7 @@ def centralized_low_precision_op(
             # a bucket rebuilt with another size: its old buffers (and residuals) cannot be reused
             for stale in [k for k in workspaces if k[0] == bucket.name]:
                 del workspaces[stale]
-            ws = workspaces[key] = Workspace(
-                flat.numel(), c.nranks(), flat.device, stage=flat.dtype != torch.float32, error_feedback=error_feedback
-            )
+            ws = workspaces[key] = Workspace(flat.numel(), c.nranks(), flat.device, error_feedback=error_feedback)
         return ws
 
     def low_precision_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
