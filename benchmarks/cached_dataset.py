@@ -67,6 +67,12 @@ def timed_epoch(loader: DataLoader) -> float:
     return time.perf_counter() - start
 
 
+def timeit_once(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 redis_store = None
 if "redis" in args.backends:
     from bagua.torch_api.contrib.utils.redis_store import RedisStore
@@ -101,22 +107,61 @@ for workers in args.workers:
 print(f"\n{args.samples} samples of {'x'.join(map(str, args.shape))} float32, {args.work_ms} ms {args.work} work "
       f"each, batch {args.batch_size}, median of {args.repeats}")
 print(f"{'backend':8} {'workers':>7} {'epoch 1 samples/s':>18} {'epoch 2 samples/s':>18} {'speed-up':>9} "
-      f"{'no-work ceiling':>16}")
+      f"{'(min-max)':>13} {'no-work ceiling':>16}")
 summary = []
 for backend, workers in cells:
     mine = [r for r in rows if r["backend"] == backend and r["workers"] == workers]
     first = statistics.median(r["epoch1_s"] for r in mine)
     second = statistics.median(r["epoch2_s"] for r in mine)
-    speedup = statistics.median(r["epoch1_s"] / r["epoch2_s"] for r in mine)
+    speedups = [r["epoch1_s"] / r["epoch2_s"] for r in mine]
+    speedup = statistics.median(speedups)
     summary.append({"backend": backend, "workers": workers, "epoch1_samples_per_s": args.samples / first,
                     "epoch2_samples_per_s": args.samples / second, "speedup": speedup,
                     "no_work_ceiling_samples_per_s": ceiling[workers]})
+    spread = f"({min(speedups):.0f}-{max(speedups):.0f}x)"
     print(f"{backend:8} {workers:>7} {args.samples / first:>18.0f} {args.samples / second:>18.0f} {speedup:>8.1f}x "
-          f"{ceiling[workers]:>16.0f}")
+          f"{spread:>13} {ceiling[workers]:>16.0f}")
+
+# The cache alone, without the DataLoader, in this process: wall time (best of --repeats passes over all samples)
+# and CPU time (this process, plus the redis-server's own CPU for Redis), which contention from other jobs on a
+# shared machine does not inflate.
+def redis_cpu_s() -> float:
+    import redis
+
+    total = 0.0
+    for host in redis_store.hosts:
+        info = redis.Redis(host=host["host"], port=host["port"], password=host["password"]).info("cpu")
+        total += info["used_cpu_user"] + info["used_cpu_sys"]
+    return total
+
+
+batches = [list(range(i, min(i + args.batch_size, args.samples))) for i in range(0, args.samples, args.batch_size)]
+work_us = min(timeit_once(lambda: [dataset[i] for i in range(200)]) for _ in range(args.repeats)) / 200 * 1e6
+print(f"\nin-process cost per sample: the work itself {work_us:.0f} us (best of {args.repeats})")
+hit_cost = {}
+for backend in args.backends:
+    if backend == "lmdb":
+        cached = CachedDataset(dataset, dataset_name="hits", path=os.path.join(scratch, "hits"))
+    else:
+        redis_store.clear()
+        cached = CachedDataset(dataset, backend=redis_store, dataset_name="hits")
+    for batch in batches:  # fill
+        cached.__getitems__(batch)
+    walls, cpus = [], []
+    for _ in range(args.repeats):
+        cpu0, server0 = time.process_time(), redis_cpu_s() if backend == "redis" else 0.0
+        walls.append(timeit_once(lambda: [cached.__getitems__(b) for b in batches]))
+        server = redis_cpu_s() - server0 if backend == "redis" else 0.0
+        cpus.append(time.process_time() - cpu0 + server)
+    wall_us, cpu_us = min(walls) / args.samples * 1e6, statistics.median(cpus) / args.samples * 1e6
+    hit_cost[backend] = {"wall_us": wall_us, "cpu_us": cpu_us}
+    print(f"{backend:8} cache hit: wall {wall_us:6.1f} us (best of {args.repeats}), CPU {cpu_us:5.1f} us (median)"
+          f" -> {work_us / cpu_us:.0f}x less CPU than the work takes in wall time")
 
 if redis_store is not None:
     redis_store.shutdown()
 shutil.rmtree(scratch, ignore_errors=True)
 if args.json:
     with open(args.json, "w") as f:
-        json.dump({"args": vars(args), "runs": rows, "summary": summary}, f, indent=2)
+        json.dump({"args": vars(args), "runs": rows, "summary": summary, "work_us": work_us,
+                   "hit_us": hit_cost}, f, indent=2)

@@ -160,3 +160,20 @@ def test_batch_sampler_groups_and_agrees_across_ranks(drop_last):
     before = list(ranks[0])
     ranks[0].set_epoch(1)
     assert list(ranks[0]) != before and ranks[0].sampler.epoch == 1
+
+
+def _worker_default_group(rank, world_size, store_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+    sampler = LoadBalancingDistributedSampler(range(11), _lognormal(11))  # replicas and rank from the group
+    return sampler.num_replicas, sampler.rank, list(sampler)
+
+
+def test_defaults_come_from_the_process_group(tmp_path):
+    from tests.harness import run_workers
+
+    results = run_workers(_worker_default_group, 2, str(tmp_path / "store"), init_bagua=False, timeout=60)
+    assert [r[:2] for r in results] == [(2, 0), (2, 1)]
+    _, expected = _all_ranks(11, 2)
+    assert [r[2] for r in results] == expected

@@ -148,7 +148,8 @@ class CacheLoader:
         """Write the buffered values now (dropping them on a store fault: they are only a cache)."""
         if not self._pending:
             return
-        batch, self._pending = self._pending, {}
+        batch = dict(self._pending)
+        self._pending.clear()  # the same dict stays registered with the exit-time flush
         if time.monotonic() < self._writes_blocked_until:
             return
         try:
@@ -201,8 +202,9 @@ class CacheLoader:
     def _buffer(self, name: str, value: Any) -> None:
         self._pending[name] = encode(value)
         if self._finalizer_pid != os.getpid():
-            # Runs at exit of this process, including DataLoader workers (which skip atexit handlers).
-            multiprocessing.util.Finalize(None, self.flush, exitpriority=10)
+            # Runs when this loader is collected or this process exits, DataLoader workers included (they skip
+            # atexit handlers but run multiprocessing finalizers). It holds the store and the buffer, not the loader.
+            multiprocessing.util.Finalize(self, _write_pending, args=(self.store, self._pending), exitpriority=10)
             self._finalizer_pid = os.getpid()
 
     def _block_store(self) -> None:
@@ -213,6 +215,15 @@ class CacheLoader:
         if kind not in self._warned:
             self._warned.add(kind)
             warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _write_pending(store: Store, pending: dict[str, bytes]) -> None:
+    if pending:
+        try:
+            store.mset(dict(pending))
+        except StoreError:
+            pass  # only a cache; the loader has already warned about this store if it misbehaved
+        pending.clear()
 
 
 class _Miss:
