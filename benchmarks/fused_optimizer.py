@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -92,17 +93,18 @@ def variants(name, n, shape, device, chunk_bytes):
     return out
 
 
-def time_round_robin(steps_by_variant, steps, warmup, device):
+def time_round_robin(steps_by_variant, steps, warmup, device, clock):
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    now = time.process_time if clock == "cpu" else time.perf_counter
     times = {v: [] for v in steps_by_variant}
     for i in range(warmup + steps):
         for v, step in steps_by_variant.items():
             sync()
-            t0 = time.perf_counter()
+            t0 = now()
             step()
             sync()
             if i >= warmup:
-                times[v].append((time.perf_counter() - t0) * 1e3)
+                times[v].append((now() - t0) * 1e3)
     return {v: statistics.median(ts) for v, ts in times.items()}
 
 
@@ -115,6 +117,9 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--chunk-bytes", type=int, default=None, help="fuse_optimizer chunk_bytes (default: auto)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="wall: perf_counter; cpu: this process's CPU time (steadier on a loaded machine; use "
+                             "with --threads 1, as it adds up the threads' times)")
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
@@ -125,11 +130,12 @@ def main():
     results = {}
     for name in args.optimizers:
         results[name] = time_round_robin(
-            variants(name, args.params, shape, args.device, args.chunk_bytes), args.steps, args.warmup, args.device
+            variants(name, args.params, shape, args.device, args.chunk_bytes), args.steps, args.warmup, args.device,
+            args.clock,
         )
 
     print(f"\n{args.params} params of {shape}, {args.device}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, median of {args.steps} steps (ms)")
+          f"torch {torch.__version__}, median of {args.steps} steps, {args.clock} clock (ms)")
     cols = ["unfused", "fused", "fused_new_grads", "foreach", "torch_fused"]
     print(f"{'optimizer':<14}" + "".join(f"{c:>16}" for c in cols)
           + f"{'unfused/fused':>15}{'foreach/fused':>15}{'fused/torch_fused':>19}")
@@ -139,7 +145,8 @@ def main():
               + f"{ratio('unfused', 'fused'):>15}{ratio('foreach', 'fused'):>15}{ratio('fused', 'torch_fused'):>19}")
     if args.out:
         meta = dict(params=args.params, shape=list(shape), device=args.device, threads=torch.get_num_threads(),
-                    steps=args.steps, chunk_bytes=args.chunk_bytes, torch=torch.__version__,
+                    steps=args.steps, chunk_bytes=args.chunk_bytes, clock=args.clock,
+                    load_average=list(os.getloadavg()), torch=torch.__version__,
                     machine=platform.machine(), processor=platform.processor())
         with open(args.out, "w") as f:
             json.dump({"meta": meta, "median_ms": results}, f, indent=2)

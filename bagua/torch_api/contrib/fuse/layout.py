@@ -23,7 +23,7 @@ from typing import Any, Hashable, Optional
 import torch
 
 __all__ = ["Segment", "fits_flat", "adjacent", "mutual_runs", "flatten_params", "find_segments", "adopt",
-           "install_grad", "install_grads", "state_buffer"]
+           "install_grads", "state_buffer"]
 
 
 @dataclass(eq=False)
@@ -161,48 +161,32 @@ def flatten_params(params: list[torch.Tensor], state: dict) -> list[Segment]:
                 seg.param_ptrs[i] = p.data_ptr()
                 seg.grad_views[i] = seg.view(flat_grad, i)
                 if p.grad is not None:
-                    install_grad(seg, i)
+                    install_grads(seg, [i])
                 adopt(seg, i, state.get(p))
         segments.append(seg)
     return segments
 
 
-def install_grad(seg: Segment, i: int) -> bool:
-    """Copy ``params[i].grad`` into the flat gradient and point ``.grad`` at it; False if it does not fit."""
-    p = seg.params[i]
-    g = p.grad
-    if not _grad_fits(p, g):
-        return False
-    view = seg.grad_views[i]
-    with torch.no_grad():
-        view.copy_(g)
-    p.grad = view
-    seg.installed[i] = True
-    return True
-
-
 def install_grads(seg: Segment, indices: list[int]) -> list[int]:
-    """Install the gradients of ``params[indices]`` with one concatenation per consecutive range.
+    """Copy the gradients of ``params[indices]`` into the flat gradient and point ``.grad`` at their views.
+
+    (A copy per tensor measured faster on CPU than one ``torch.cat(..., out=)`` over them.)
 
     Returns:
         The indices whose gradient does not fit (sparse, another dtype, shape or device); they are untouched.
     """
-    misfits, fitting, start = [], [], None
-    for i in indices:
-        (fitting if _grad_fits(seg.params[i], seg.params[i].grad) else misfits).append(i)
-    for k, i in enumerate(fitting):
-        if start is None:
-            start = k
-        if k + 1 < len(fitting) and fitting[k + 1] == i + 1:
-            continue
-        block = fitting[start : k + 1]
-        a, b = seg.offsets[block[0]], seg.offsets[block[-1] + 1]
-        with torch.no_grad():
-            torch.cat([seg.params[j].grad.reshape(-1) for j in block], out=seg.flat_grad[a:b])
-        for j in block:
-            seg.params[j].grad = seg.grad_views[j]
-            seg.installed[j] = True
-        start = None
+    misfits = []
+    with torch.no_grad():
+        for i in indices:
+            p = seg.params[i]
+            g = p.grad
+            if not _grad_fits(p, g):
+                misfits.append(i)
+                continue
+            view = seg.grad_views[i]
+            view.copy_(g)
+            p.grad = view
+            seg.installed[i] = True
     return misfits
 
 

@@ -23,25 +23,17 @@ import operator
 import types
 import warnings
 from collections import defaultdict
-from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 
-from bagua.torch_api.contrib.fuse.layout import (
-    Segment,
-    adopt,
-    find_segments,
-    fits_flat,
-    flatten_params,
-    install_grads,
-    state_buffer,
-)
+from bagua.torch_api.contrib.fuse.layout import Segment, adopt, find_segments, fits_flat, flatten_params, install_grads
+from bagua.torch_api.contrib.fuse.plan import Run, make_runs, write_run
 
 __all__ = ["fuse_optimizer", "is_fused_optimizer", "fuse_step"]
 
 _ATTR = "_bagua_fuser"
-_CPU_CHUNK_BYTES = 1 << 20  # measured best for Adam on a 512 KiB-L2 CPU (benchmarks/fused_optimizer.py)
 _NOT_ELEMENTWISE = tuple(
     getattr(torch.optim, name) for name in ("LBFGS", "SparseAdam", "Adafactor", "Muon") if hasattr(torch.optim, name)
 )
@@ -129,20 +121,6 @@ def fuse_step(optimizer: torch.optim.Optimizer, closure: Optional[Callable[[], A
     if not isinstance(fuser, _Fuser):
         raise RuntimeError("fuse_step needs a fused optimizer: call fuse_optimizer(optimizer) first")
     return fuser.step(closure)
-
-
-@dataclass(eq=False)
-class _Run:
-    """Parameters ``seg.params[a:b]`` stepped as the flat ``chunks`` (views of the segment's buffers)."""
-
-    seg: Segment
-    a: int
-    b: int
-    chunks: list[torch.Tensor]
-    starts: list[int]  # element offset of each chunk in the segment's flat buffers
-    states: list[dict]
-    slices: list[dict]  # per chunk: the flat-state slice objects handed to the optimizer
-    checked: set = field(default_factory=set)  # state keys whose per-parameter views are in place
 
 
 @dataclass(eq=False)
@@ -331,68 +309,11 @@ class _Fuser:
 
     # --- plan: which parameters are stepped together ---------------------------------------------------------
 
-    def _make_plan(self, codes) -> list[tuple[list[_Run], list[torch.Tensor]]]:
-        state = self.optimizer.state
-        plan = []
-        for lay, group_codes in zip(self.layouts, codes):
-            runs, loose = [], list(lay.loose)
-            for seg, seg_codes in zip(lay.segments, group_codes):
-                keys = [frozenset(state.get(p, ())) for p in seg.params]
-                i, m = 0, len(seg.params)
-                while i < m:
-                    if not seg_codes[i]:
-                        loose.append(seg.params[i])
-                        i += 1
-                        continue
-                    j = i + 1
-                    while j < m and seg_codes[j] and keys[j] == keys[i]:
-                        j += 1
-                    for a, b in self._split_on_scalars(seg, i, j, keys[i]):
-                        runs.append(self._make_run(seg, a, b))
-                    i = j
-            plan.append((runs, loose))
-        return plan
-
-    def _split_on_scalars(self, seg: Segment, i: int, j: int, keys) -> list[tuple[int, int]]:
-        """Cut ``i..j`` where scalar state differs: the fused tensor has one ``step``, so they must agree."""
-        state, cuts = self.optimizer.state, set()
-        for key in keys:
-            first = state[seg.params[i]][key]
-            if isinstance(first, torch.Tensor):
-                if first.dim() == 0:
-                    z = seg.scalar_state[key][i:j]
-                    cuts.update(i + 1 + int(t) for t in torch.nonzero(z[1:] != z[:-1]).flatten().tolist())
-            else:
-                for t in range(i + 1, j):
-                    if not _same(state[seg.params[t]][key], state[seg.params[t - 1]][key]):
-                        cuts.add(t)
-        bounds = [i, *sorted(cuts), j]
-        return list(zip(bounds[:-1], bounds[1:]))
-
-    def _make_run(self, seg: Segment, a: int, b: int) -> _Run:
-        lo, hi = seg.offsets[a], seg.offsets[b]
-        size = hi - lo
-        if self.chunk_bytes is not None or seg.flat_param.device.type == "cpu":
-            size = max(1, (self.chunk_bytes or _CPU_CHUNK_BYTES) // seg.flat_param.element_size())
-        first = self.optimizer.state.get(seg.params[a]) or {}
-        chunks, states, slices = [], [], []
-        starts = list(range(lo, hi, size))
-        for s in starts:
-            e = min(s + size, hi)
-            chunk = torch.nn.Parameter(seg.flat_param[s:e], requires_grad=seg.params[a].requires_grad)
-            chunk.grad = seg.flat_grad[s:e]
-            st, sl = {}, {}
-            for key, value in first.items():
-                if not isinstance(value, torch.Tensor):
-                    st[key] = value
-                elif value.dim() == 0:
-                    st[key] = value.clone()
-                else:
-                    st[key] = sl[key] = seg.flat_state[key][s:e]
-            chunks.append(chunk)
-            states.append(st)
-            slices.append(sl)
-        return _Run(seg, a, b, chunks, starts, states, slices, checked=set(first))
+    def _make_plan(self, codes) -> list[tuple[list[Run], list[torch.Tensor]]]:
+        return [
+            make_runs(lay.segments, group_codes, lay.loose, self.optimizer.state, self.chunk_bytes)
+            for lay, group_codes in zip(self.layouts, codes)
+        ]
 
     def _materialize(self):
         """Build the param groups and state that the optimizer's own ``step`` will see."""
@@ -422,7 +343,9 @@ class _Fuser:
                 if key != "params" and group.get(key, _MISSING) is not value:
                     group[key] = value  # a hyper-parameter the step itself changed
             for run in runs:
-                self._write_run(run, fused_state)
+                why = write_run(run, fused_state, opt.state)
+                if why is not None:
+                    return self._give_up(why)
             for p in loose:
                 st = fused_state.get(p)
                 if st is not None and opt.state.get(p) is not st:
@@ -433,45 +356,6 @@ class _Fuser:
                     if adopt(seg, i, opt.state.get(p)) or seg.eligible[i] != was:
                         self.codes = None  # its state is in the flat buffers now: it may join a run
 
-    def _write_run(self, run: _Run, fused_state) -> None:
-        """Keep per-parameter state as views of the flat state after the optimizer stepped ``run``."""
-        seg, state = run.seg, self.optimizer.state
-        params = seg.params[run.a : run.b]
-        for c, chunk in enumerate(run.chunks):
-            run.states[c] = fused_state[chunk]
-        for key, value in run.states[0].items():
-            if not isinstance(value, torch.Tensor):
-                for p in params:
-                    state[p][key] = value
-            elif value.dim() == 0:
-                flat = state_buffer(seg, key, value, scalar=True)
-                if flat is None:
-                    return self._give_up(f"scalar state {key!r} changed dtype or device")
-                flat[run.a : run.b].fill_(value)
-                if key not in run.checked:
-                    for i in range(run.a, run.b):
-                        state[seg.params[i]][key] = seg.scalar_views[key][i] = flat[i]
-            elif value.shape == run.chunks[0].shape:
-                flat = state_buffer(seg, key, value, scalar=False)
-                if flat is None:
-                    return self._give_up(f"state {key!r} changed dtype or device")
-                for c, (chunk, s) in enumerate(zip(run.chunks, run.starts)):
-                    got = run.states[c][key]
-                    if got is not run.slices[c].get(key):
-                        view = flat[s : s + chunk.numel()]
-                        with torch.no_grad():
-                            view.copy_(got.reshape(-1))
-                        run.states[c][key] = run.slices[c][key] = view
-                if key not in run.checked:
-                    for i in range(run.a, run.b):
-                        state[seg.params[i]][key] = seg.state_views[key][i] = seg.view(flat, i)
-            else:
-                return self._give_up(
-                    f"the optimizer made state {key!r} of shape {tuple(value.shape)} for a flat tensor of shape "
-                    f"{tuple(run.chunks[0].shape)}: it is not elementwise, and this step's results differ from step()"
-                )
-            run.checked.add(key)
-
     def _give_up(self, why: str) -> None:
         self.fallback = True
         self._warn("fallback", f"{why}; using the plain step() from now on")
@@ -479,10 +363,3 @@ class _Fuser:
 
 _MISSING = object()
 _GRAD = operator.attrgetter("grad")
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - values that cannot be compared are not the same
-        return a is b
