@@ -12,7 +12,9 @@ The goal: TPE's best within 5 % of the sweep's best, and the gain over the defau
 
     .venv/bin/python benchmarks/autotune.py --rate 1gbit --out docs/results/autotune.json
 
-The CSV logs and plots of both tunes are written next to ``--out``.
+The CSV logs and plots of both tunes are written next to ``--out``. ``--streams 4`` also enables the
+multistream allreduce and lets autotune choose 1, 2 or 4 streams; with a per-connection cap (``--rate
+10gbit@2gbit``, see benchmarks/tcp_tuning.py) that is where streams pay.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rate", default="1gbit", help="link rate (tc spelling), or 'unshaped'")
+    p.add_argument("--rate", default="1gbit",
+                   help="link rate (tc spelling), 'unshaped', or LINK@CAP to also cap each TCP connection")
     p.add_argument("--model", default="deep", choices=["deep", "mlp"])
     p.add_argument("--trials", type=int, default=20)
     p.add_argument("--min-2p", type=int, default=16, help="smallest bucket size of the space, log2 bytes")
@@ -67,6 +70,22 @@ def build_model(name: str):
     return torch.nn.Sequential(*layers), 256, 256
 
 
+def _warm_and_wait(args, rank: int) -> None:
+    """Open every connection, then (with a per-connection cap) wait until the driver has capped them."""
+    import torch
+
+    from bagua.torch_api import multistream
+    from tcp_tuning import _wait_for_driver
+
+    msg = multistream.get(None)
+    if msg is not None:
+        streams, msg.num_streams = msg.num_streams, msg.max_streams
+        msg.allreduce_(torch.ones(4 << 20))
+        msg.num_streams = streams
+    if "@" in args.rate:
+        _wait_for_driver(os.path.join(args.workdir, args.worker), rank)
+
+
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
@@ -80,7 +99,7 @@ def worker(args) -> None:
     bagua.init_process_group()
     rank = dist.get_rank()
     if args.streams > 1:
-        multistream.enable(None, num_streams=args.streams, calibrate_streams=False)  # autotune picks
+        multistream.enable(None, num_streams=args.streams, calibrate_streams=False).num_streams = 1  # autotune picks
     model, d_in, d_out = build_model(args.model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
     model.with_bagua([opt], GradientAllReduceAlgorithm())
@@ -101,6 +120,7 @@ def worker(args) -> None:
             strategy="grid" if args.worker == "sweep" else "tpe", space=space, seed=args.seed, reload=False,
             log_path=os.path.join(args.workdir, f"{args.worker}.csv"),
             tune_file=os.path.join(args.workdir, f"{args.worker}.json"))
+        _warm_and_wait(args, rank)
         while not ctl.finished:
             step()
         return
@@ -117,6 +137,7 @@ def worker(args) -> None:
         "tpe_best": (tpe["best"]["bucket_size"], order if tpe["tensor_order"] else None, tpe["best"]["num_streams"]),
     }
     msg = multistream.get(None)
+    _warm_and_wait(args, rank)
     for _ in range(5):
         step()
     times: dict[str, list[float]] = {k: [] for k in settings}
@@ -152,6 +173,8 @@ def run(cluster, mode: str, args, workdir: str) -> None:
     from bagua.torch_api import env
 
     port = env.find_free_network_port()
+    link, _, cap = args.rate.partition("@")
+    cluster.shape(link)
     procs = []
     for host in cluster.hosts:
         child = env.environ_snapshot()
@@ -165,6 +188,16 @@ def run(cluster, mode: str, args, workdir: str) -> None:
         log = open(os.path.join(workdir, f"{mode}.rank{host.index}.log"), "w")
         procs.append(netns.popen(argv, child, log, subprocess.STDOUT))
     deadline = time.monotonic() + args.timeout
+    if cap:  # wait until the workers have connected, cap every connection, let them go
+        from tcp_tuning import _cap_flows
+
+        marker = os.path.join(workdir, mode)
+        while not os.path.exists(marker + ".ready"):
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.05)
+        _cap_flows(cluster, link, cap)
+        open(marker + ".go", "w").close()
     for p in procs:
         try:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -179,7 +212,8 @@ def run(cluster, mode: str, args, workdir: str) -> None:
 def _forwarded(args) -> list[str]:
     return ["--model", args.model, "--trials", str(args.trials), "--min-2p", str(args.min_2p),
             "--window", str(args.window), "--warmup", str(args.warmup), "--rounds", str(args.rounds),
-            "--compare-steps", str(args.compare_steps), "--streams", str(args.streams), "--seed", str(args.seed)]
+            "--compare-steps", str(args.compare_steps), "--streams", str(args.streams), "--seed", str(args.seed),
+            "--rate", args.rate]
 
 
 def main(argv=None) -> int:
@@ -198,7 +232,6 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="bagua-autotune-") as workdir:
         cluster = netns.NetnsCluster(2) if ok else netns.LoopbackCluster(2)
         with cluster:
-            cluster.shape(args.rate)
             for mode in ("sweep", "tpe", "compare"):
                 t0 = time.monotonic()
                 run(cluster, mode, args, workdir)

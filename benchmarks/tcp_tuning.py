@@ -180,7 +180,8 @@ def _cap_flows(cluster, link: str, cap: str) -> int:
                        check=True, timeout=20)
         burst = str(netns.tbf_burst_bytes(link_bits))
         subprocess.run(tc + ["class", "add"] + dev + ["parent", "1:", "classid", "1:1", "htb", "rate",
-                       f"{link_bits}bit", "ceil", f"{link_bits}bit", "burst", burst, "quantum", "65536"], check=True, timeout=20)
+                       f"{link_bits}bit", "ceil", f"{link_bits}bit", "burst", burst, "quantum", "65536"],
+                       check=True, timeout=20)
         for j, port in enumerate(ports):
             cid = f"1:{100 + j}"
             subprocess.run(tc + ["class", "add"] + dev + ["parent", "1:1", "classid", cid, "htb", "rate",

@@ -127,7 +127,8 @@ class AutotuneController:
         if warmup_time_s < 0 or sampling_confidence_time_s < 0:
             raise ValueError("warmup_time_s and sampling_confidence_time_s must be >= 0 seconds")
         if settle_steps < 0 or min_window_steps < 1:
-            raise ValueError(f"need settle_steps >= 0 and min_window_steps >= 1, got {settle_steps}, {min_window_steps}")
+            raise ValueError(
+                f"need settle_steps >= 0 and min_window_steps >= 1, got {settle_steps}, {min_window_steps}")
         if not bagua_ddp.bagua_optimizers:
             raise ValueError("autotune counts iterations by optimizer.step(): wrap the model with its optimizer(s)")
         # user settings
@@ -262,7 +263,8 @@ class AutotuneController:
                 return self._encode(_CONTINUE, self.current, next_in=self._iterations_for(left))
             return self._encode(_RESTART, self.current, next_in=self._window_iterations())
         if steps < self.min_window_steps or elapsed < self.sampling_confidence_time_s:
-            missing = max(self.min_window_steps - steps, self._iterations_for(self.sampling_confidence_time_s - elapsed))
+            missing = max(self.min_window_steps - steps,
+                          self._iterations_for(self.sampling_confidence_time_s - elapsed))
             return self._encode(_CONTINUE, self.current, next_in=max(1, int(missing)))
         score = samples / elapsed if elapsed > 0 else 0.0
         assert self._tuner is not None

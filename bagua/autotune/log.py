@@ -66,7 +66,8 @@ def read_log(path: str) -> list[dict]:
 
 
 def plot(path: str, out: Optional[str] = None, title: str = "Bagua autotune") -> str:
-    """Plot score per trial (points), the best so far (line) and the default (dashed); return the PNG path.
+    """Plot score per trial (points), the best single score so far (line), the chosen setting re-measured
+    (star) and the default (dashed); return the PNG path.
 
     Needs matplotlib (``pip install matplotlib``).
     """
@@ -92,6 +93,9 @@ def plot(path: str, out: Optional[str] = None, title: str = "Bagua autotune") ->
         for r in trials:
             ax.annotate(f"{r['bucket_size_2p']:.0f}", (r["trial"], r["score"]), fontsize=6,
                         xytext=(2, 2), textcoords="offset points")
+    for r in [r for r in rows if r["kind"] == "best"]:
+        x = (trials[-1]["trial"] + 1) if trials else 1
+        ax.scatter([x], [r["score"]], marker="*", s=120, color="red", label="chosen, re-measured")
     for r in defaults:
         ax.axhline(r["score"], linestyle="--", color="grey", label=f"default ({r['bucket_size'] / 2**20:g} MiB)")
     ax.set_xlabel("trial (labels: log2 bucket size)")

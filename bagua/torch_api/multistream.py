@@ -252,7 +252,8 @@ class MultiWork:
         return torch.futures.collect_all([w.get_future() for w in self.works]).then(lambda _: [tensor])
 
 
-def all_reduce_async(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None) -> Any:
+def all_reduce_async(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+                     group: Optional[dist.ProcessGroup] = None) -> Any:
     """``torch.distributed.all_reduce(tensor, op, group, async_op=True)``, on several streams when
     :func:`enable` was called for ``group``; returns the work (a :class:`MultiWork` when split).
 

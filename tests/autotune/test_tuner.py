@@ -88,7 +88,8 @@ def test_bad_settings_are_refused():
 
 def test_saved_tune_round_trip(tmp_path):
     result = TuneResult("m1", "c1", Hyperparameters(2**20, True, 2), 123.5, 100.0, ["b", "a"],
-                        [dict(bucket_size=2**20, is_hierarchical_reduce=True, num_streams=2, score=123.5, kind="trial")])
+                        [dict(bucket_size=2**20, is_hierarchical_reduce=True, num_streams=2, score=123.5,
+                              kind="trial")])
     path = str(tmp_path / "tune.json")
     save_tune(path, result)
     assert load_tune(path) == result
