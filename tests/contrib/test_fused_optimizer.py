@@ -443,6 +443,39 @@ def test_non_elementwise_state_falls_back_to_plain_step():
     assert all(torch.equal(a, b) for a, b in zip(ref_params, fused_params))
 
 
+@pytest.mark.parametrize("name", ["adam", "sgd", "lion"])
+def test_odd_parameters_are_stepped_as_themselves(name):
+    """A zero-dim parameter, a non-contiguous one and one with a sparse gradient stay out of the flat buffers."""
+
+    def make(seed):
+        ps = make_params(seed)
+        gen = torch.Generator().manual_seed(seed + 1)
+        ps.append(torch.nn.Parameter(torch.randn((), generator=gen)))  # zero-dim
+        ps.append(torch.nn.Parameter(torch.randn(6, 4, generator=gen).t()))  # non-contiguous
+        ps.append(torch.nn.Parameter(torch.randn(10, 3, generator=gen)))  # gets a sparse gradient (SGD only)
+        return ps
+
+    ref_params, fused_params = make(0), make(0)
+    ref, fused = OPTIMIZERS[name](ref_params), fuse_optimizer(OPTIMIZERS[name](fused_params))
+    assert len(fused._bagua_fuser.layouts[0].loose) == 2
+    for step in range(STEPS):
+        grads = grads_for(ref_params, step)
+        if name == "sgd":
+            grads[-1] = torch.sparse_coo_tensor([[1, 4]], torch.ones(2, 3) * (step + 1), (10, 3))
+        set_grads(ref_params, grads, keep=False)
+        set_grads(fused_params, grads)
+        ref.step()
+        fused.fuse_step()
+    assert_same(ref, fused, ref_params, fused_params)
+
+
+def test_replace_step_warns_about_an_existing_wrapper():
+    opt = torch.optim.SGD(make_params(), lr=0.1)
+    torch.optim.lr_scheduler.StepLR(opt, step_size=1)  # wraps opt.step on the instance
+    with pytest.warns(UserWarning, match="already wrapped"):
+        fuse_optimizer(opt, replace_step=True)
+
+
 def test_api_errors():
     opt = fuse_optimizer(torch.optim.SGD(make_params(), lr=0.1))
     assert is_fused_optimizer(opt) and not is_fused_optimizer(torch.optim.SGD(make_params(), lr=0.1))
