@@ -7,7 +7,9 @@ tensors as views of flat buffers (one :class:`~bagua.torch_api.contrib.fuse.layo
 device), and :func:`fuse_step` runs the optimizer's unmodified ``step`` over a param group that holds one flat
 parameter per *run* of parameters that can be stepped together, cut into *chunks* of about ``chunk_bytes``
 (on CPU a chunk that fits in cache keeps a multi-pass step like Adam's in cache). Results are bitwise equal to
-``step()``; only the number of tensors, and so the Python and kernel-launch overhead, shrinks.
+``step()`` for float32/float64 parameters; only the number of tensors, and so the Python and kernel-launch
+overhead, shrinks. (bf16/fp16 parameters on CPU can differ by one rounding at the few elements where PyTorch's
+kernels switch from vector to scalar code, as the unfused step does between thread counts; see the docs.)
 
 A run is a range of consecutive parameters of a segment that have a gradient in the flat gradient buffer, the
 same state keys, and equal scalar state (``step``, NAdam's ``mu_product``...). A parameter outside every run
