@@ -34,6 +34,8 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=7, help="timed repetitions (the median is reported)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
     p.add_argument("--devices", default="cpu,cuda", help="devices to try (cuda is skipped when unavailable)")
+    p.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                   help="cpu: this thread's CPU time (steadier on a shared machine; needs --threads 1; CPU only)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
     return p.parse_args(argv)
 
@@ -60,21 +62,22 @@ def plain_decode(q: torch.Tensor, minmax: torch.Tensor) -> torch.Tensor:
 # -- timing ----------------------------------------------------------------------------------------------------
 
 
-def timed(fn, repeats: int, device: torch.device) -> float:
+def timed(fn, repeats: int, device: torch.device, clock: str = "wall") -> float:
     """Median seconds of ``fn()`` over ``repeats`` runs, after one warm-up run."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    now = time.thread_time if clock == "cpu" and device.type == "cpu" else time.perf_counter
     fn()
     sync()
     times = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now()
         fn()
         sync()
-        times.append(time.perf_counter() - start)
+        times.append(now() - start)
     return statistics.median(times)
 
 
-def bench(numel: int, chunks: int, device: torch.device, repeats: int) -> list[dict]:
+def bench(numel: int, chunks: int, device: torch.device, repeats: int, clock: str = "wall") -> list[dict]:
     length = numel // chunks
     x = torch.randn(chunks, length, device=device)
     wire = codec.wire_buffer(chunks, length, device)
@@ -92,7 +95,7 @@ def bench(numel: int, chunks: int, device: torch.device, repeats: int) -> list[d
     }
     rows = []
     for op, fn in cases.items():
-        seconds = timed(fn, repeats, device)
+        seconds = timed(fn, repeats, device, clock)
         rows.append(
             {
                 "device": device.type,
@@ -108,19 +111,22 @@ def bench(numel: int, chunks: int, device: torch.device, repeats: int) -> list[d
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.clock == "cpu" and args.threads != 1:
+        raise SystemExit("--clock cpu measures this thread only: use it with --threads 1")
     torch.set_num_threads(args.threads)
     devices = [d for d in args.devices.split(",") if d == "cpu" or (d == "cuda" and torch.cuda.is_available())]
     rows = []
     print(f"{'device':6} {'elements':>10} {'op':>12} {'ms':>9} {'GB/s':>7}")
     for device in devices:
         for numel in [int(s) for s in args.sizes.split(",")]:
-            for row in bench(numel, args.chunks, torch.device(device), args.repeats):
+            for row in bench(numel, args.chunks, torch.device(device), args.repeats, args.clock):
                 rows.append(row)
                 print(f"{row['device']:6} {row['numel']:>10} {row['op']:>12} {row['ms']:>9.2f} {row['gb_per_s']:>7.2f}")
     malloc_env = {k: os.environ.get(k) for k in ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")}
     result = {
         "torch": torch.__version__,
         "threads": args.threads,
+        "clock": args.clock,
         "repeats": args.repeats,
         "cpu_count": os.cpu_count(),
         "malloc_env": malloc_env,
