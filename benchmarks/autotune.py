@@ -160,6 +160,7 @@ def worker(args) -> None:
     if rank == 0:
         result = {name: {"step_s": float(s), "samples_per_s": 32 * dist.get_world_size() / float(s),
                          "bucket_size": settings[name][0], "ordered": settings[name][1] is not None,
+                         "num_streams": settings[name][2],
                          "rounds_step_s": times[name]} for name, s in zip(settings, stats.tolist())}
         with open(os.path.join(args.workdir, "compare.json"), "w") as f:
             json.dump(result, f)
@@ -255,6 +256,7 @@ def main(argv=None) -> int:
     print("compare (median step, re-measured in turn):")
     for k, v in compare.items():
         print(f"  {k:>10}: bucket {v['bucket_size'] / 2**20:8.3f} MiB ordered={v['ordered']!s:5} "
+              f"streams={v['num_streams']} "
               f"{v['step_s'] * 1e3:8.1f} ms  {v['samples_per_s']:8.1f} samples/s")
     print(f"tpe_best / sweep_best = {t / s:.3f} (goal >= 0.95); tpe_best / default = {t / d:.3f}")
     if args.out:

@@ -286,13 +286,8 @@ class AutotuneController:
     def _best(self) -> tuple[Hyperparameters, float]:
         """The best trial, or the default (returned as ``self.default`` itself) when nothing beat it."""
         assert self._tuner is not None
-        trials = [(hp, s) for hp, s, kind in self._tuner.records if kind == "trial"]
+        hp, mean = self._tuner.best(kind="trial")
         defaults = [s for _, s, kind in self._tuner.records if kind == "default"]
-        scores: dict[Hyperparameters, list[float]] = {}
-        for hp, s in trials:
-            scores.setdefault(hp, []).append(s)
-        hp = max(scores, key=lambda k: sum(scores[k]) / len(scores[k]))
-        mean = sum(scores[hp]) / len(scores[hp])
         if defaults and defaults[0] >= mean:
             return self.default, defaults[0]
         return hp, mean

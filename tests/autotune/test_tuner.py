@@ -119,3 +119,15 @@ def test_bucket_plan_follows_the_order_and_splits_by_dtype():
     plan = bucket_plan(tensors, ["t3", "t1", "t2"], bucket_size=32)
     assert plan == [["t3", "t1"], ["t0"], ["t2"]]  # float32 first (dtype names sorted), t0 follows the order
     assert bucket_plan(tensors, None, 10**6) == [["t0", "t1", "t3"], ["t2"]]
+
+
+def test_last_trials_measure_the_leaders_again():
+    tuner = Tuner(TuneSpace((12, 28)), max_samples=8, seed=0, confirm_top=2)
+    asked = []
+    while not tuner.finished():
+        hp = tuner.ask()
+        asked.append(hp)
+        tuner.tell(hp, float(hp.bucket_size))  # bigger is better
+    leaders = sorted(set(asked[:6]), key=lambda h: -h.bucket_size)[:2]
+    assert asked[6:] == leaders
+    assert tuner.best()[0] == leaders[0]
