@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import socket
 
 import pytest
@@ -210,8 +209,6 @@ def test_spawned_redis_server_is_private_and_stopped():
 
 
 def _worker_spawned_servers(rank, world_size, store_path):
-    import torch
-
     from bagua.torch_api.contrib.utils.redis_store import RedisStore
 
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
@@ -223,7 +220,6 @@ def _worker_spawned_servers(rank, world_size, store_path):
     assert seen == [f"{other}:{i}".encode() for i in range(200)]
     shard_sizes = [shard.num_keys() for shard in store.stores]
     dist.barrier()
-    del torch
     return store.hosts, shard_sizes
 
 
