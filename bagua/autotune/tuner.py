@@ -134,6 +134,7 @@ class Tuner:
         self.confirm_top = confirm_top if strategy == "tpe" else 0
         # internal state
         self._pending: Optional[tuple[Hyperparameters, Any]] = None
+        self._leaders: Optional[list[Hyperparameters]] = None
         self._grid = space.grid()
         self._study = None
         if strategy == "tpe":
@@ -161,8 +162,9 @@ class Tuner:
             return hp
         confirming = self.trials_told - (self.max_samples - self.confirm_top)
         if confirming >= 0:
-            ranked = self._ranked(kind="trial")
-            hp = ranked[min(confirming, len(ranked) - 1)][0]
+            if self._leaders is None:  # fixed when confirming starts, so each leader is measured once more
+                self._leaders = [hp for hp, _ in self._ranked(kind="trial")[: self.confirm_top]]
+            hp = self._leaders[min(confirming, len(self._leaders) - 1)]
             self._pending = (hp, None)
             return hp
         trial = self._study.ask()

@@ -127,7 +127,7 @@ def test_last_trials_measure_the_leaders_again():
     while not tuner.finished():
         hp = tuner.ask()
         asked.append(hp)
-        tuner.tell(hp, float(hp.bucket_size))  # bigger is better
+        # bigger is better, but the leader's second measurement is poor: the runner-up must still get its turn
+        tuner.tell(hp, float(hp.bucket_size) * (0.1 if len(asked) == 7 else 1.0))
     leaders = sorted(set(asked[:6]), key=lambda h: -h.bucket_size)[:2]
     assert asked[6:] == leaders
-    assert tuner.best()[0] == leaders[0]
