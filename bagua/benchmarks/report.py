@@ -218,10 +218,11 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     ok = [r for r in rows if r.get("status") == "ok"]
     panels = sorted({(r["model"], r["hosts"]) for r in ok})
-    systems = list(dict.fromkeys(r["system"] for r in ok))
+    systems = sorted(dict.fromkeys(r["system"] for r in ok), key=lambda n: (not n.startswith("ddp"), n))
     fig, axes = plt.subplots(2, len(panels), figsize=(5.2 * len(panels), 7.5), squeeze=False)
     markers = "os^vD<>pP*hX"
     for col, (model, hosts) in enumerate(panels):
@@ -239,7 +240,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
             sp = [(j, pts[bands[j]]["speedup"]) for j in xs if pts[bands[j]].get("speedup") is not None]
             if sp:
                 axes[1][col].plot([j for j, _ in sp], [s for _, s in sp], **style)
-        for row, ylabel in ((0, "median step time (ms, log)"), (1, "speedup over DDP (x)")):
+        for row, ylabel in ((0, "median step time (ms, log)"), (1, "speedup over DDP (x, log)")):
             ax = axes[row][col]
             ax.set_xticks(range(len(bands)))
             ax.set_xticklabels(bands)
@@ -248,6 +249,8 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
             ax.grid(True, alpha=0.3)
         axes[0][col].set_yscale("log")
         axes[0][col].set_title(f"{model}, {hosts} hosts")
+        axes[1][col].set_yscale("log", base=2)
+        axes[1][col].yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         axes[1][col].axhline(1.0, color="grey", linewidth=0.8)
     handles, labels = axes[0][0].get_legend_handles_labels()
     for ax in axes.flat:
