@@ -44,10 +44,12 @@ class _RingSimulation:
 
     def round(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         n = len(xs)
-        decoded = [
-            _minmax_uint8_round_trip(xs[k] + self.left[k] / 3 + self.right[k] / 3 - self.mine[k] * (5 / 3))
-            for k in range(n)
-        ]
+        # d = x + x̂_l/3 + x̂_r/3 - 5/3 x̂_i, written with torch's add/sub ``alpha`` (b * alpha fused into the sum,
+        # as the implementation does to avoid temporaries)
+        decoded = []
+        for k in range(n):
+            d = torch.add(xs[k], self.left[k], alpha=1 / 3).add(self.right[k], alpha=1 / 3)
+            decoded.append(_minmax_uint8_round_trip(d.sub(self.mine[k], alpha=5 / 3)))
         for k in range(n):
             self.left[k] += decoded[(k - 1) % n]
             self.right[k] += decoded[(k + 1) % n]
@@ -92,10 +94,16 @@ def _train_reference(rank, world_size, local_size, layout, interval, hierarchica
 
 
 def _worker_parity(rank, world_size, local_size, configs):
+    import os
+
     from bagua.torch_api.algorithms.decentralized import LowPrecisionDecentralizedAlgorithm
 
     out = []
-    for interval, hierarchical, flatten in configs:
+    for bucket_size, interval, hierarchical, flatten in configs:
+        if bucket_size:
+            os.environ["BAGUA_DEFAULT_BUCKET_SIZE"] = str(bucket_size)
+        else:
+            os.environ.pop("BAGUA_DEFAULT_BUCKET_SIZE", None)
         model = make_model(rank)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         algorithm = LowPrecisionDecentralizedAlgorithm(hierarchical=hierarchical, communication_interval=interval)
@@ -112,22 +120,20 @@ def _worker_parity(rank, world_size, local_size, configs):
 
 
 PARITY = [
-    # world, local_size, bucket size (bytes), [(interval, hierarchical, flatten)]
-    (2, 2, None, [(1, True, True), (2, True, False)]),
-    (2, 2, 2048, [(1, True, True)]),  # several buckets, each its own 8-bit chunk
-    (4, 4, None, [(1, True, True), (3, False, True)]),
-    (4, 2, 4096, [(1, True, True), (1, False, False)]),  # ring over 2 nodes, and over 4 ranks
+    # world, local_size, [(bucket size in bytes or None for the default, interval, hierarchical, flatten)]
+    (2, 2, [(None, 1, True, True), (None, 2, True, False), (2048, 1, True, True)]),  # 2048: several buckets
+    (4, 4, [(None, 1, True, True), (None, 3, False, True)]),
+    (4, 2, [(4096, 1, True, True), (4096, 1, False, False)]),  # ring over 2 nodes, and over 4 ranks
 ]
 
 
-@pytest.mark.parametrize("world_size,local_size,bucket_size,configs", PARITY)
-def test_matches_ring_simulation(world_size, local_size, bucket_size, configs):
-    env = {"BAGUA_DEFAULT_BUCKET_SIZE": str(bucket_size)} if bucket_size else None
-    results = run_workers(_worker_parity, world_size, local_size, configs, local_size=local_size, env=env)
+@pytest.mark.parametrize("world_size,local_size,configs", PARITY)
+def test_matches_ring_simulation(world_size, local_size, configs):
+    results = run_workers(_worker_parity, world_size, local_size, configs, local_size=local_size)
     for rank, per_config in enumerate(results):
         for config, (expected, got, n_buckets) in zip(configs, per_config):
             assert_close(got, expected, rtol=0, atol=0, msg=lambda m: f"{config} rank {rank}: {m}")
-            assert (n_buckets > 1) == (bucket_size is not None)
+            assert (n_buckets > 1) == (config[0] is not None)
     # decentralized, not synchronous: the first and the last peer end with different weights
     assert not all(torch.equal(a, b) for a, b in zip(results[0][0][1], results[-1][0][1]))
 

@@ -273,6 +273,9 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
 
     def _run_loop(self) -> None:
         try:
+            device = self._device()
+            if device.type == "cuda":
+                torch.cuda.set_device(device)  # a new thread starts on device 0
             while self._negotiate():
                 self._average_once()
                 self.rounds += 1

@@ -22,7 +22,7 @@ exchange among node leaders (so the peers are nodes), broadcast the result insid
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,7 @@ from bagua.torch_api import communication as comm
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.communication import ReduceOp
-from bagua.torch_api.compression import decode_chunks, encode_chunks, wire_buffer
+from bagua.torch_api.compression import BLOCK, decode_chunks, encode_chunks, scratch_buffer, wire_buffer
 from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, weight_tensor
 
@@ -43,7 +43,6 @@ __all__ = [
     "PEER_SELECTION_MODES",
     "shift_one_peer",
     "ring_neighbours",
-    "low_precision_ring_step",
 ]
 
 PEER_SELECTION_MODES = ("all", "shift_one", "ring")
@@ -78,15 +77,17 @@ def ring_neighbours(rank: int, nranks: int) -> tuple[int, int]:
     return (rank - 1) % nranks, (rank + 1) % nranks
 
 
-def _exchange(send: torch.Tensor, peers: Sequence[int], c: BaguaCommunicator) -> dict[int, torch.Tensor]:
-    """Send ``send`` to every distinct peer (communicator ranks) and receive one tensor of its shape from each."""
-    distinct = sorted(set(peers))
-    received = {p: torch.empty_like(send) for p in distinct}
-    ops = [dist.P2POp(dist.isend, send, c.global_rank(p), c.group) for p in distinct]
-    ops += [dist.P2POp(dist.irecv, received[p], c.global_rank(p), c.group) for p in distinct]
-    for work in dist.batch_isend_irecv(ops):
-        work.wait()
-    return received
+def _start_exchange(
+    send: torch.Tensor, received: dict[int, torch.Tensor], c: BaguaCommunicator, tag: int = 0
+) -> list[Any]:
+    """Send ``send`` to every peer in ``received`` (communicator ranks) and receive into ``received[peer]``.
+
+    Returns the works to wait on. Every rank must start its exchanges in the same order; ``tag`` tells apart
+    the exchanges of different buckets in flight at the same time.
+    """
+    ops = [dist.P2POp(dist.isend, send, c.global_rank(p), c.group, tag) for p in received]
+    ops += [dist.P2POp(dist.irecv, buf, c.global_rank(p), c.group, tag) for p, buf in received.items()]
+    return dist.batch_isend_irecv(ops)
 
 
 def _peer_communicator(group: BaguaProcessGroup, hierarchical: bool) -> BaguaCommunicator:
@@ -155,21 +156,33 @@ def _peer_count(group: BaguaProcessGroup, hierarchical: bool) -> int:
 # -- full precision -----------------------------------------------------------------------------------------
 
 
-def _mix_all(tensor: torch.Tensor, c: BaguaCommunicator, step: int) -> None:
+def _mix_all(tensor: torch.Tensor, c: BaguaCommunicator, step: int, buffers: dict) -> None:
     comm.allreduce_inplace(tensor, ReduceOp.AVG, c)
 
 
-def _mix_shift_one(tensor: torch.Tensor, c: BaguaCommunicator, step: int) -> None:
+def _mix_shift_one(tensor: torch.Tensor, c: BaguaCommunicator, step: int, buffers: dict) -> None:
     peer = shift_one_peer(c.rank(), c.nranks(), step)
-    received = _exchange(tensor, [peer], c)
+    received = {peer: _cached(buffers, peer, tensor)}
+    for work in _start_exchange(tensor, received, c):
+        work.wait()
     tensor.add_(received[peer]).div_(2)
 
 
-def _mix_ring(tensor: torch.Tensor, c: BaguaCommunicator, step: int) -> None:
+def _mix_ring(tensor: torch.Tensor, c: BaguaCommunicator, step: int, buffers: dict) -> None:
     left, right = ring_neighbours(c.rank(), c.nranks())
-    received = _exchange(tensor, [left, right], c)
+    received = {p: _cached(buffers, p, tensor) for p in sorted({left, right})}
+    for work in _start_exchange(tensor, received, c):
+        work.wait()
     # with two ranks both neighbours are the same rank: its weights count twice, as in the 3-rank formula
     tensor.add_(received[left]).add_(received[right]).div_(3)
+
+
+def _cached(buffers: dict, peer: int, like: torch.Tensor) -> torch.Tensor:
+    """A receive buffer kept across rounds (allocating ~model-sized tensors every step costs page faults)."""
+    buf = buffers.get(peer)
+    if buf is None:
+        buf = buffers[peer] = torch.empty_like(like)
+    return buf
 
 
 _MIXERS = {"all": _mix_all, "shift_one": _mix_shift_one, "ring": _mix_ring}
@@ -210,11 +223,14 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         peer_weight = torch.zeros(bucket.numel + bucket.padding, dtype=bucket.dtype, device=bucket.device)
         self._peer_weight[bucket.name] = peer_weight
         mix = _MIXERS[self.peer_selection_mode]
+        buffers: dict[int, torch.Tensor] = {}
 
         def decentralized_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
             # works on the snapshot taken before forward, so the live weights are only read by forward/backward
             step = self._round
-            _run_among_peers(self.process_group, self.hierarchical, peer_weight, lambda t, c: mix(t, c, step))
+            _run_among_peers(
+                self.process_group, self.hierarchical, peer_weight, lambda t, c: mix(t, c, step, buffers)
+            )
 
         bucket.append_op(decentralized_op)
 
@@ -320,13 +336,15 @@ class DecentralizedAlgorithm(Algorithm):
 
 
 class _Replicas:
-    """Per-bucket state of low-precision decentralized SGD (float32, flat).
+    """Per-bucket state of low-precision decentralized SGD (flat, float32).
 
-    Fields: ``mine`` (x̂_i, my public copy), ``left`` / ``right`` (x̂ of my ring neighbours), and scratch
-    buffers ``diff`` (d), ``decoded`` and ``wire`` (the 8-bit message).
+    Fields: ``mine`` (x̂_i, my public copy), ``left`` / ``right`` (x̂ of my ring neighbours); scratch buffers
+    ``diff`` (d), ``scratch``, ``wire`` (my 8-bit message) and ``received`` (the neighbours' messages, one per
+    distinct neighbour); ``works``: the exchange in flight. Buffers are allocated once: fresh model-sized
+    tensors every step cost more than the arithmetic (page faults).
     """
 
-    __slots__ = ("mine", "left", "right", "diff", "decoded", "wire")
+    __slots__ = ("mine", "left", "right", "diff", "scratch", "wire", "received", "works")
 
     def __init__(self, x: torch.Tensor) -> None:
         xf = x.detach().float()
@@ -334,32 +352,36 @@ class _Replicas:
         self.left = xf.clone()
         self.right = xf.clone()
         self.diff = torch.empty_like(self.mine)
-        self.decoded = torch.empty_like(self.mine)
+        self.scratch = scratch_buffer(x.numel(), x.device)
         self.wire = wire_buffer(1, x.numel(), x.device)
+        self.received: dict[int, torch.Tensor] = {}
+        self.works: list[Any] = []
 
 
-def low_precision_ring_step(x: torch.Tensor, r: _Replicas, c: BaguaCommunicator) -> None:
-    """One ring round of low-precision decentralized SGD on the flat weights ``x``, in place.
-
-    1. ``d = x + x̂_l/3 + x̂_r/3 - 5/3 x̂_i`` = (local progress) + (ring average of replicas - x̂_i);
-    2. ``C = Q(d)``: MinMaxUInt8 over the whole bucket (one chunk);
-    3. send ``C`` to both neighbours, receive theirs (``C_l``, ``C_r``);
-    4. ``x̂_l += D(C_l)``, ``x̂_r += D(C_r)``, ``x̂_i += D(C)``, ``x = x̂_i``.
-
-    Every rank decodes the same bytes, so a rank's ``x̂_i`` and its neighbours' copies of it stay identical.
-    """
+def _ring_round_start(x: torch.Tensor, r: _Replicas, c: BaguaCommunicator, tag: int) -> None:
+    """Steps 1-3 of a round (see :class:`LowPrecisionDecentralizedAlgorithm`): ``d``, ``C = Q(d)``, send/receive."""
     xf = x if x.dtype == torch.float32 else x.float()
-    torch.add(xf, r.left / 3, out=r.diff)
-    r.diff.add_(r.right / 3).sub_(r.mine * (5 / 3))
-    encode_chunks(r.diff.view(1, -1), r.wire)
+    # block by block, so each input is read from memory once and the three operations run in cache
+    step = BLOCK if x.device.type == "cpu" else x.numel()
+    for a in range(0, x.numel(), step):
+        b = min(a + step, x.numel())
+        d = torch.add(xf[a:b], r.left[a:b], alpha=1 / 3, out=r.diff[a:b])
+        d.add_(r.right[a:b], alpha=1 / 3).sub_(r.mine[a:b], alpha=5 / 3)
+    encode_chunks(r.diff.view(1, -1), r.wire, work=r.scratch)
+    if not r.received:  # one buffer per distinct neighbour: with two ranks, left and right are the same rank
+        r.received = {p: torch.empty_like(r.wire) for p in sorted(set(ring_neighbours(c.rank(), c.nranks())))}
+    r.works = _start_exchange(r.wire, r.received, c, tag)
+
+
+def _ring_round_finish(r: _Replicas, c: BaguaCommunicator) -> None:
+    """Step 4 of a round: wait for the neighbours' messages and add the decoded differences to the replicas."""
+    for work in r.works:
+        work.wait()
+    r.works = []
     left, right = ring_neighbours(c.rank(), c.nranks())
-    received = _exchange(r.wire, [left, right], c)
-    for replica, peer in ((r.left, left), (r.right, right)):
-        decode_chunks(received[peer], r.decoded.view(1, -1))
-        replica.add_(r.decoded)
-    decode_chunks(r.wire, r.decoded.view(1, -1))
-    r.mine.add_(r.decoded)
-    x.copy_(r.mine)
+    decode_chunks(r.received[left], r.left.view(1, -1), accumulate=True, work=r.scratch)
+    decode_chunks(r.received[right], r.right.view(1, -1), accumulate=True, work=r.scratch)
+    decode_chunks(r.wire, r.mine.view(1, -1), accumulate=True, work=r.scratch)
 
 
 class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
@@ -370,9 +392,16 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
         # user hyper-parameters
         self.hierarchical = hierarchical
         self.communication_interval = communication_interval
-        # internal state: replicas per bucket; parameters stepped by an optimizer in this iteration
+        # internal state: replicas per bucket; the bucket whose round is still in flight; the optimizers that
+        # stepped in this iteration
         self._replicas: dict[str, _Replicas] = {}
+        self._in_flight: Optional[BaguaBucket] = None
         self._stepped: set[int] = set()
+
+    def _layout(self) -> tuple[bool, BaguaCommunicator]:
+        """(whether to go through node leaders, the communicator of the ring)."""
+        hierarchical = self.hierarchical and self.process_group.is_hierarchical_possible()
+        return hierarchical, _peer_communicator(self.process_group, self.hierarchical)
 
     def init_tensors(self, bagua_ddp) -> list[BaguaTensor]:
         in_optimizer = {id(p) for o in bagua_ddp.bagua_optimizers for g in o.param_groups for p in g["params"]}
@@ -389,13 +418,34 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
         bucket.clear_ops()
         replicas = _Replicas(bucket.flattened_tensor())
         self._replicas[bucket.name] = replicas
+        tag = len(self._replicas) - 1
 
         def low_precision_decentralized_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
-            _run_among_peers(
-                self.process_group, self.hierarchical, flat, lambda t, c: low_precision_ring_step(t, replicas, c)
-            )
+            # start this bucket's exchange, then finish the previous bucket's while this one is on the wire;
+            # the post-step hook finishes the last one
+            hierarchical, c = self._layout()
+            if hierarchical:
+                comm.reduce_inplace(flat, 0, ReduceOp.AVG, self.process_group.get_intra_node_communicator())
+            if c.is_member() and c.nranks() > 1:
+                _ring_round_start(flat, replicas, c, tag)
+            self._finish_in_flight()
+            self._in_flight = bucket
 
         bucket.append_op(low_precision_decentralized_op)
+
+    def _finish_in_flight(self) -> None:
+        bucket, self._in_flight = self._in_flight, None
+        if bucket is None:
+            return
+        hierarchical, c = self._layout()
+        replicas = self._replicas[bucket.name]
+        if c.is_member() and c.nranks() > 1:
+            _ring_round_finish(replicas, c)
+        elif not hierarchical:
+            return  # a group of one rank
+        if hierarchical:
+            comm.broadcast(replicas.mine, 0, self.process_group.get_intra_node_communicator())
+        _copy_weights_from(bucket, replicas.mine)
 
     def init_forward_pre_hook(self, bagua_ddp) -> Callable[[Any], None]:
         def hook(inputs: Any) -> None:
@@ -413,15 +463,17 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
         def hook(optimizer: torch.optim.Optimizer) -> None:
             if (bagua_ddp.bagua_train_step_counter - 1) % self.communication_interval != 0:
                 return
-            self._stepped.update(id(p) for g in optimizer.param_groups for p in g["params"])
-            # with several optimizers, communicate once all of the model's weights have been stepped
-            if any(id(t.param) not in self._stepped for b in bagua_ddp.bagua_buckets for t in b.tensors):
+            # with several optimizers, communicate once all of them have stepped (by object: a fused optimizer
+            # may show other tensors in param_groups while it steps)
+            self._stepped.add(id(optimizer))
+            if any(id(o) not in self._stepped for o in bagua_ddp.bagua_optimizers):
                 return
             self._stepped.clear()
             with torch.no_grad():
                 for bucket in bagua_ddp.bagua_buckets:
                     bagua_ddp.mark_bucket_ready(bucket)
                 bagua_ddp.wait_pending_comm_ops()
+                self._finish_in_flight()
 
         return hook
 
@@ -433,9 +485,17 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
 class LowPrecisionDecentralizedAlgorithm(Algorithm):
     """Decentralized SGD on a ring exchanging 8-bit (MinMaxUInt8) weight differences after every step.
 
-    See :func:`low_precision_ring_step` for the numbered steps of one round, which runs after
-    ``optimizer.step()`` every ``communication_interval`` steps. Every parameter must belong to one of the
-    optimizers given to ``with_bagua``.
+    Each rank keeps float32 replicas ``x̂_i`` (its public copy), ``x̂_l`` and ``x̂_r`` (its ring neighbours'),
+    all equal to the weights at wrap time. After ``optimizer.step()`` (every ``communication_interval`` steps),
+    for each bucket, with ``x`` the stepped weights:
+
+    1. ``d = x + x̂_l/3 + x̂_r/3 - 5/3 x̂_i`` = (local progress ``x - x̂_i``) + (ring average of replicas - x̂_i);
+    2. ``C = Q(d)``: MinMaxUInt8 over the whole bucket (one chunk);
+    3. send ``C`` to both neighbours, receive theirs (``C_l``, ``C_r``); the next bucket encodes meanwhile;
+    4. ``x̂_l += D(C_l)``, ``x̂_r += D(C_r)``, ``x̂_i += D(C)``, ``x = x̂_i``.
+
+    Every rank decodes the same bytes, so a rank's ``x̂_i`` and its neighbours' copies of it stay identical.
+    Every parameter must belong to one of the optimizers given to ``with_bagua``.
 
     Args:
         hierarchical: average inside each node first and run the ring among node leaders.
