@@ -64,7 +64,7 @@ __all__ = [
 ]
 
 #: Elements of a chunk sent per collective; larger chunks are sent in several pipelined segments.
-SEGMENT = 1 << 20
+SEGMENT = 1 << 18
 
 # torch >= 2.7 names it all_gather_single and deprecates all_gather_into_tensor (a FutureWarning per call).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
