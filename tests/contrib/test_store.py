@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 import socket
 
 import pytest
@@ -234,3 +235,24 @@ def test_spawned_servers_are_shared_through_the_process_group(tmp_path, local_si
     assert sum(results[0][1]) == 400 and min(results[0][1]) > 0  # both servers used when there are two
     for h in hosts:  # every server stopped when the rank that started it exited
         assert not _port_open(h["host"], h["port"])
+
+
+@pytest.mark.redis
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="needs util-linux setpriv for --pdeathsig")
+def test_spawned_server_dies_with_a_killed_owner():
+    import subprocess
+    import sys
+    import time
+
+    script = ("import os, signal\n"
+              "from bagua.torch_api.contrib.utils.redis_store import RedisStore\n"
+              "store = RedisStore(capacity_per_node=32 * 1024**2)\n"
+              "print(store.hosts[0]['port'], flush=True)\n"
+              "os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no finalizers\n")
+    owner = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert owner.returncode == -9, owner.stderr
+    port = int(owner.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _port_open("127.0.0.1", port) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _port_open("127.0.0.1", port)
