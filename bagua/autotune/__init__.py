@@ -11,7 +11,7 @@ Example:
 from __future__ import annotations
 
 from bagua.autotune.controller import AutotuneController, bucket_plan
-from bagua.autotune.hooks import attach, detach, get_controller, on_wrap
+from bagua.autotune.hooks import attach, choose_streams, detach, get_controller, on_wrap
 from bagua.autotune.log import AutotuneLog, plot, read_log
 from bagua.autotune.tuner import (
     Hyperparameters,
@@ -24,6 +24,7 @@ from bagua.autotune.tuner import (
 )
 
 __all__ = [
-    "AutotuneController", "bucket_plan", "attach", "detach", "get_controller", "on_wrap", "AutotuneLog", "plot",
-    "read_log", "Hyperparameters", "Tuner", "TuneResult", "TuneSpace", "load_tune", "save_tune", "tune_environment",
+    "AutotuneController", "bucket_plan", "attach", "choose_streams", "detach", "get_controller", "on_wrap",
+    "AutotuneLog", "plot", "read_log", "Hyperparameters", "Tuner", "TuneResult", "TuneSpace", "load_tune",
+    "save_tune", "tune_environment",
 ]

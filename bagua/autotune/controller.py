@@ -32,6 +32,7 @@ import math
 import os
 import tempfile
 import time
+from dataclasses import asdict
 from typing import Any, Optional
 
 import torch
@@ -157,8 +158,9 @@ class AutotuneController:
                                          [(t.name, list(t.shape), str(t.dtype)) for t in tensors])
         self.cluster_signature = signature(len(self._ranks), pg.node_layout(), dist.get_backend(comm.group),
                                            self._msg.max_streams if self._msg else 1)
-        self.tune_file = tune_file if tune_file is not None else os.path.join(
-            env.get_cache_dir(), "autotune", f"{self.model_signature}-{self.cluster_signature}.json")
+        space_signature = signature(asdict(self.space), strategy)  # another search: another file
+        name = f"{self.model_signature}-{self.cluster_signature}-{space_signature}.json"
+        self.tune_file = tune_file if tune_file is not None else os.path.join(env.get_cache_dir(), "autotune", name)
         self.default = Hyperparameters(env.get_default_bucket_size(),
                                        bool(getattr(bagua_ddp.impl, "hierarchical", False)),
                                        self._msg.num_streams if self._msg else 1)

@@ -19,7 +19,7 @@ from bagua.autotune.controller import AutotuneController
 from bagua.autotune.tuner import TuneSpace
 from bagua.torch_api import env, multistream
 
-__all__ = ["attach", "detach", "get_controller", "on_wrap"]
+__all__ = ["attach", "choose_streams", "detach", "get_controller", "on_wrap"]
 
 _controllers: "weakref.WeakKeyDictionary[Any, AutotuneController]" = weakref.WeakKeyDictionary()
 
@@ -111,15 +111,38 @@ def get_controller(model: Any) -> Optional[AutotuneController]:
     return _controllers.get(_engine(model))
 
 
-def on_wrap(bagua_ddp: Any) -> None:
-    """The engine's wrap-time hook: multistream when ``BAGUA_NET=1``, autotune when ``BAGUA_AUTOTUNE>=1``.
+def choose_streams(model: Any, warmup_time_s: float = 2.0, sampling_confidence_time_s: float = 2.0
+                   ) -> AutotuneController:
+    """Pick 1, 2 or 4 streams (those created) by measuring real training steps; a tune of the streams only.
 
-    Collective (every rank wraps its model at the same point). Does nothing when neither is set.
+    The bucket size stays the default; the choice is saved like any tune, so the next run of the same model on
+    the same cluster starts with it. Collective, like :func:`attach`.
     """
-    if env.get_bool("BAGUA_NET") and multistream.get(bagua_ddp.process_group) is None:
-        import torch.distributed as dist
+    engine = _engine(model)
+    msg = multistream.get(engine.process_group)
+    if msg is None:
+        raise ValueError("choose_streams() needs multistream.enable(...) for the model's group first")
+    streams = tuple(s for s in (1, 2, 4, 8, 16) if s <= msg.max_streams)
+    space = TuneSpace(num_streams=streams, bucket_size=env.get_default_bucket_size())
+    return attach(engine, max_samples=len(streams), warmup_time_s=warmup_time_s,
+                  sampling_confidence_time_s=sampling_confidence_time_s, strategy="grid", space=space)
 
-        if dist.get_backend(bagua_ddp.process_group.get_global_communicator().group) == "gloo":
-            multistream.enable(bagua_ddp.process_group)
+
+def on_wrap(bagua_ddp: Any) -> None:
+    """The engine's wrap-time hook: ``BAGUA_NET=1`` (``--enable_bagua_net``) and ``BAGUA_AUTOTUNE>=1``.
+
+    With ``BAGUA_NET=1`` on gloo, the group gets a :class:`~bagua.torch_api.multistream.MultiStreamGroup`
+    (starting at one stream) and the stream count is chosen on real training steps: by the full autotune when
+    it is on, else by :func:`choose_streams`. Collective (every rank wraps its model at the same point). Does
+    nothing when neither variable is set.
+    """
+    import torch.distributed as dist
+
+    pg = bagua_ddp.process_group
+    net = env.get_bool("BAGUA_NET") and dist.get_backend(pg.get_global_communicator().group) == "gloo"
+    if net and multistream.get(pg) is None:
+        multistream.enable(pg, calibrate_streams=False).num_streams = 1
     if env.get_autotune_level() >= 1:
         attach(bagua_ddp)
+    elif net:
+        choose_streams(bagua_ddp)

@@ -66,11 +66,13 @@ class TuneSpace:
         bucket_size_2p: inclusive range ``(lo, hi)`` of ``p``, bucket size ``2**p`` bytes.
         hierarchical: the hierarchical settings allowed (``(False,)`` where the topology does not allow it).
         num_streams: the stream counts allowed (``(1,)`` without multistream).
+        bucket_size: a fixed bucket size in bytes (``bucket_size_2p`` is then not searched).
     """
 
     bucket_size_2p: tuple[int, int] = (14, 28)
     hierarchical: tuple[bool, ...] = (False,)
     num_streams: tuple[int, ...] = (1,)
+    bucket_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         lo, hi = self.bucket_size_2p
@@ -80,6 +82,15 @@ class TuneSpace:
             raise ValueError("hierarchical and num_streams each need at least one allowed value, e.g. (False,), (1,)")
         if any(s < 1 for s in self.num_streams):
             raise ValueError(f"num_streams values must be >= 1, got {self.num_streams}")
+        if self.bucket_size is not None and self.bucket_size < 1:
+            raise ValueError(f"bucket_size must be a positive number of bytes, got {self.bucket_size}")
+
+    def sizes(self) -> list[int]:
+        """The bucket sizes searched, smallest first."""
+        if self.bucket_size is not None:
+            return [self.bucket_size]
+        lo, hi = self.bucket_size_2p
+        return [2**p for p in range(lo, hi + 1)]
 
     @classmethod
     def for_model(cls, total_bytes: int, hierarchical_possible: bool = False, max_streams: int = 1,
@@ -95,9 +106,8 @@ class TuneSpace:
 
     def grid(self) -> list[Hyperparameters]:
         """Every point of the space, smallest bucket first."""
-        lo, hi = self.bucket_size_2p
-        return [Hyperparameters(2**p, h, s)
-                for p, h, s in itertools.product(range(lo, hi + 1), self.hierarchical, self.num_streams)]
+        return [Hyperparameters(size, h, s)
+                for size, h, s in itertools.product(self.sizes(), self.hierarchical, self.num_streams)]
 
 
 class Tuner:
@@ -169,14 +179,14 @@ class Tuner:
             return hp
         trial = self._study.ask()
         lo, hi = self.space.bucket_size_2p
-        p = trial.suggest_int("bucket_size_2p", lo, hi)
+        size = self.space.bucket_size or 2 ** trial.suggest_int("bucket_size_2p", lo, hi)
         h = self.space.hierarchical[0]
         if len(self.space.hierarchical) > 1:
             h = trial.suggest_categorical("is_hierarchical_reduce", list(self.space.hierarchical))
         s = self.space.num_streams[0]
         if len(self.space.num_streams) > 1:
             s = trial.suggest_categorical("num_streams", list(self.space.num_streams))
-        hp = Hyperparameters(2**p, bool(h), int(s))
+        hp = Hyperparameters(size, bool(h), int(s))
         self._pending = (hp, trial)
         return hp
 

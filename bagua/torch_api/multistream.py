@@ -42,6 +42,7 @@ __all__ = [
     "enable",
     "disable",
     "calibrate",
+    "StreamChooser",
     "get",
     "allreduce_inplace",
     "all_reduce_async",
@@ -111,7 +112,7 @@ class MultiStreamGroup:
         >>> msg.allreduce_(flat)  # sum over all ranks, in place  # doctest: +SKIP
     """
 
-    __slots__ = ("ranks", "groups", "min_chunk_bytes", "_num_streams", "calls", "split_calls")
+    __slots__ = ("ranks", "groups", "min_chunk_bytes", "_num_streams", "chooser", "calls", "split_calls")
 
     def __init__(self, group: Comm = None, max_streams: int = DEFAULT_NUM_STREAMS,
                  min_chunk_bytes: int = DEFAULT_MIN_CHUNK_BYTES) -> None:
@@ -129,6 +130,7 @@ class MultiStreamGroup:
         extra = [dist.new_group(ranks) for _ in range(max_streams - 1)]
         self.groups: list[Optional[dist.ProcessGroup]] = [base] + extra if base is not None else []
         self._num_streams = max_streams
+        self.chooser: Optional[StreamChooser] = None
         # stats
         self.calls = 0
         self.split_calls = 0
@@ -226,6 +228,73 @@ def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: C
     msg.allreduce_(tensor, op)
 
 
+class StreamChooser:
+    """Choose the stream count from real training iterations; every rank ends with the same choice.
+
+    Steps, driven by :meth:`on_iteration` (called once per iteration, at the same point on every rank):
+
+    1. ``warmup`` iterations run as they are;
+    2. each candidate (1, 2, 4, ... up to ``msg.max_streams``) runs ``probe`` iterations; the first after a
+       switch is not timed, the others are (the time between consecutive calls);
+    3. the ranks take the slowest rank's median per candidate (one ``all_reduce`` on a group of their own) and
+       keep the fastest, unless it is less than ``margin`` faster than one stream; then the chooser is done.
+
+    This is what makes ``enable(ddp)`` safe where the CPU, not the network, is the limit: extra streams that
+    speed up a lone allreduce can still slow training by competing with backward for cores.
+
+    Args:
+        msg: the :class:`MultiStreamGroup` to set.
+        warmup: iterations before the first probe.
+        probe: iterations per candidate.
+        margin: how much faster than one stream a candidate must be.
+    """
+
+    __slots__ = ("msg", "candidates", "warmup", "probe", "margin", "chosen", "_group", "_iter", "_t_last", "_times")
+
+    def __init__(self, msg: MultiStreamGroup, warmup: int = 3, probe: int = 4, margin: float = 0.05) -> None:
+        if warmup < 0 or probe < 2:
+            raise ValueError(f"need warmup >= 0 and probe >= 2 iterations, got {warmup}, {probe}")
+        # user settings
+        self.msg = msg
+        self.candidates = [k for k in (1, 2, 4, 8, 16) if k <= msg.max_streams]
+        self.warmup = warmup
+        self.probe = probe
+        self.margin = margin
+        # internal state
+        self.chosen: Optional[int] = None if len(self.candidates) > 1 else 1
+        self._group = dist.new_group(msg.ranks)  # collective, like the MultiStreamGroup itself
+        self._iter = 0
+        self._t_last: Optional[float] = None
+        self._times: list[list[float]] = [[] for _ in self.candidates]
+
+    def on_iteration(self) -> None:
+        """Call once per training iteration, at the same point on every rank."""
+        if self.chosen is not None:
+            return
+        now = time.perf_counter()
+        previous = self._iter - 1 - self.warmup  # the iteration that just ended, counted from the first probe
+        if previous >= 0 and previous // self.probe < len(self.candidates) and previous % self.probe > 0:
+            assert self._t_last is not None
+            self._times[previous // self.probe].append(now - self._t_last)
+        self._t_last = now
+        current = self._iter - self.warmup
+        self._iter += 1
+        if current < 0:
+            return
+        slot = current // self.probe
+        if slot < len(self.candidates):
+            self.msg.num_streams = self.candidates[slot]
+            return
+        medians = torch.tensor([sorted(t)[len(t) // 2] for t in self._times], dtype=torch.float64)
+        if dist.get_backend(self._group) == "nccl":
+            medians = medians.cuda()
+        dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=self._group)
+        medians_list = medians.cpu().tolist()
+        best = min(range(len(self.candidates)), key=lambda i: medians_list[i])
+        self.chosen = self.candidates[best] if medians_list[best] < (1 - self.margin) * medians_list[0] else 1
+        self.msg.num_streams = self.chosen
+
+
 class MultiWork:
     """The works of one multistream allreduce, waited as one (the interface of ``torch.distributed.Work``
     that Bagua's engine uses: ``wait``, ``is_completed``, ``get_future``)."""
@@ -276,6 +345,8 @@ def multistream_allreduce_hook(
     Example:
         >>> ddp.register_comm_hook(MultiStreamGroup(ddp.process_group), multistream_allreduce_hook)  # doctest: +SKIP
     """
+    if state.chooser is not None and bucket.index() == 0:
+        state.chooser.on_iteration()  # the first bucket of every iteration: the clock of the online choice
     buffer = bucket.buffer()
     buffer.div_(len(state.ranks))
     futures = [work.get_future() for work in state.allreduce_async(buffer, ReduceOp.SUM)]
@@ -343,8 +414,11 @@ def enable(target: Any = None, num_streams: int = DEFAULT_NUM_STREAMS,
             :func:`allreduce_inplace`.
         num_streams: streams to create (the most that will be used).
         min_chunk_bytes: the smallest piece a tensor is cut into.
-        calibrate_streams: measure 1, 2, 4 ... ``num_streams`` streams once (:func:`calibrate`, about a second
-            on a 1 Gbit/s link) and use the fastest; ``False`` uses ``num_streams`` as given.
+        calibrate_streams: choose the stream count by measurement. For DDP: on the first training iterations
+            (a :class:`StreamChooser`: 3 warmup iterations, then 4 iterations each of 1, 2, 4 ... streams, then
+            the fastest, all ranks alike). For a Bagua group: :func:`calibrate` (a lone allreduce, timed now);
+            with ``--enable_bagua_net`` the engine uses autotune instead, on real steps. ``False`` uses
+            ``num_streams`` as given.
 
     Returns:
         The :class:`MultiStreamGroup`; change its ``num_streams`` at any time between steps (autotune does).
@@ -358,7 +432,8 @@ def enable(target: Any = None, num_streams: int = DEFAULT_NUM_STREAMS,
             warnings.warn("multistream splitting is meant for gloo; with NCCL set nccl_socket_env() before "
                           "init_process_group instead", stacklevel=2)
         if calibrate_streams:
-            calibrate(msg)
+            msg.num_streams = 1
+            msg.chooser = StreamChooser(msg)
         target.register_comm_hook(msg, multistream_allreduce_hook)
         return msg
     bagua_ddp = getattr(target, "bagua_ddp", None)

@@ -119,3 +119,31 @@ def test_launcher_environment_turns_everything_on(tmp_path):
     assert len(saved) == 1 and saved[0].endswith(".json")
     for other in results[1:]:
         assert other[3] == applied and other[4] == current
+
+
+def _worker_choose_streams(rank, world_size):
+    import bagua.autotune as autotune
+    from bagua.torch_api import multistream
+    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+
+    model = make_model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.with_bagua([opt], GradientAllReduceAlgorithm())
+    msg = multistream.enable(model, num_streams=4, min_chunk_bytes=256, calibrate_streams=False)
+    ctl = autotune.choose_streams(model, warmup_time_s=0.0, sampling_confidence_time_s=0.0)
+    iters = 0
+    while not ctl.finished and iters < MAX_ITERS:
+        _iterate(model, opt, rank, iters)
+        iters += 1
+    return ctl.finished, ctl.applied, msg.num_streams, ctl.space
+
+
+def test_choose_streams_measures_each_count(tmp_path):
+    results = run_workers(_worker_choose_streams, 2, env={"BAGUA_CACHE_DIR": str(tmp_path)})
+    finished, applied, streams, space = results[0]
+    assert finished and space.sizes() == [10 * 2**20] and space.num_streams == (1, 2, 4)
+    # the three counts, then the chosen one; the bucket size never changes
+    assert [hp.num_streams for _, _, hp, _ in applied[:3]] == [1, 2, 4]
+    assert {hp.bucket_size for _, _, hp, _ in applied} == {10 * 2**20}
+    assert applied[-1][2].num_streams == streams
+    assert results[1][1] == applied and results[1][2] == streams

@@ -62,13 +62,16 @@ def test_multistream_equals_single_allreduce(numel, num_streams, op_name):
     assert_close(results[0][1], results[1][1], **EXACT)
 
 
+def _train_step(model, opt, rank, step):
+    opt.zero_grad()
+    x, y = batch(rank, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+
+
 def _train(model, opt, rank, steps=4):
-    loss_fn = torch.nn.MSELoss()
     for step in range(steps):
-        opt.zero_grad()
-        x, y = batch(rank, step)
-        loss_fn(model(x), y).backward()
-        opt.step()
+        _train_step(model, opt, rank, step)
 
 
 def _worker_ddp_hook(rank, world_size):
@@ -83,6 +86,33 @@ def _worker_ddp_hook(rank, world_size):
     msg = multistream.enable(ddp, num_streams=3, min_chunk_bytes=256, calibrate_streams=False)
     _train(ddp, torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9), rank)
     return params_of(reference), params_of(model), msg.split_calls
+
+
+def _worker_ddp_chooser(rank, world_size):
+    from bagua.torch_api import multistream
+
+    reference = make_model(rank)
+    ddp_ref = torch.nn.parallel.DistributedDataParallel(reference)
+    _train(ddp_ref, torch.optim.SGD(ddp_ref.parameters(), lr=0.05, momentum=0.9), rank, steps=20)
+
+    model = make_model(rank)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    msg = multistream.enable(ddp, num_streams=4, min_chunk_bytes=256)  # chooses on the first iterations
+    seen = []
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(20):
+        _train_step(ddp, opt, rank, step)
+        seen.append(msg.num_streams)
+    return params_of(reference), params_of(model), msg.chooser.chosen, seen
+
+
+def test_ddp_chooses_streams_on_real_iterations():
+    results = run_workers(_worker_ddp_chooser, 2)
+    for expected, got, chosen, seen in results:
+        assert_close(got, expected, **EXACT)  # switching streams mid-training changes nothing numerically
+        assert chosen in (1, 2, 4) and seen[-1] == chosen
+        assert {1, 2, 4} <= set(seen)  # every candidate ran
+    assert results[0][2] == results[1][2] and results[0][3] == results[1][3]
 
 
 def test_ddp_comm_hook_equals_default_ddp():
