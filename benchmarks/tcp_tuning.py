@@ -95,8 +95,8 @@ def worker(args) -> None:
     for name, k in (("ddp", 1), (f"ddp+multistream{k_e2e}", k_e2e), ("ddp+multistream(auto)", 0)):
         ddp = torch.nn.parallel.DistributedDataParallel(build_model("mlp", seed=0))
         group = None
-        if k != 1:  # k == 0: enable()'s default, calibrated once the links are shaped
-            group = multistream.enable(ddp, num_streams=k or multistream.DEFAULT_NUM_STREAMS, calibrate_streams=False)
+        if k != 1:  # k == 0: enable()'s default, which chooses on the first training iterations
+            group = multistream.enable(ddp, num_streams=k or multistream.DEFAULT_NUM_STREAMS, calibrate_streams=k == 0)
         systems[name] = (ddp, torch.optim.SGD(ddp.parameters(), lr=1e-3), group, k)
     if args.bagua:
         import bagua.torch_api as bagua
@@ -104,21 +104,44 @@ def worker(args) -> None:
 
         bagua.init_process_group()
         bagua_msg = multistream.enable(None, num_streams=k_e2e, calibrate_streams=False)  # streams set per system
-        for name, k in (("bagua", 1), (f"bagua+multistream{k_e2e}", k_e2e)):
+        for name, k in (("bagua", 1), (f"bagua+multistream{k_e2e}", k_e2e), ("bagua+multistream(auto)", 0)):
             model = build_model("mlp", seed=0)
             opt = torch.optim.SGD(model.parameters(), lr=1e-3)
             model.with_bagua([opt], GradientAllReduceAlgorithm())
             systems[name] = (model, opt, bagua_msg, k)
     for group in [msg] + [s[2] for s in systems.values() if s[2] is not None]:
-        group.num_streams = group.max_streams
+        streams_now, group.num_streams = group.num_streams, group.max_streams
         group.allreduce_(torch.ones(4 << 20))  # opens every connection
+        group.num_streams = streams_now
     _wait_for_driver(args.result, rank)
-    result = {"allreduce": {}, "e2e": {}}
-    auto = systems["ddp+multistream(auto)"]
-    t0 = time.perf_counter()
-    chosen = multistream.calibrate(auto[2])
-    result["calibration"] = {"chosen_streams": chosen, "seconds": time.perf_counter() - t0}
-    systems["ddp+multistream(auto)"] = (auto[0], auto[1], auto[2], chosen)
+    result = {"allreduce": {}, "e2e": {}, "calibration": {}}
+    g = torch.Generator().manual_seed(rank)
+    xb, yb = torch.randn(32, 1024, generator=g), torch.randn(32, 1024, generator=g)
+
+    def step(model, opt):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xb), yb).backward()
+        opt.step()
+
+    # 0. the "auto" systems choose their streams first, alone (their choice is timed on real iterations)
+    for name in [n for n in systems if n.endswith("(auto)")]:
+        model, opt, group, _ = systems[name]
+        t0, iters = time.perf_counter(), 0
+        if name.startswith("bagua"):
+            import bagua.autotune as autotune
+
+            group.num_streams = 1
+            ctl = autotune.choose_streams(model, warmup_time_s=1.0, sampling_confidence_time_s=2.0)
+            while not ctl.finished:
+                step(model, opt)
+                iters += 1
+        else:
+            while group.chooser.chosen is None:
+                step(model, opt)
+                iters += 1
+        result["calibration"][name] = {"chosen_streams": group.num_streams, "iterations": iters,
+                                       "seconds": time.perf_counter() - t0}
+        systems[name] = (model, opt, group, group.num_streams)
 
     # 1. allreduce bandwidth, settings interleaved
     for size_mb in [float(s) for s in args.sizes_mb.split(",")]:
@@ -136,8 +159,6 @@ def worker(args) -> None:
                      "times_s": v} for k, v in times.items()}
 
     # 2. end-to-end training step, settings interleaved round by round (2 steps each, the second timed)
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(32, 1024, generator=g), torch.randn(32, 1024, generator=g)
     step_times: dict[str, list[float]] = {name: [] for name in systems}
     for rnd in range(args.rounds + 1):
         for name, (model, opt, group, k) in systems.items():
@@ -146,9 +167,7 @@ def worker(args) -> None:
             for i in range(2):
                 dist.barrier()
                 t0 = time.perf_counter()
-                opt.zero_grad()
-                torch.nn.functional.mse_loss(model(x), y).backward()
-                opt.step()
+                step(model, opt)
                 if rnd > 0 and i == 1:
                     step_times[name].append(time.perf_counter() - t0)
     result["e2e"] = {name: {"median_s": statistics.median(v), "times_s": v} for name, v in step_times.items()}
@@ -206,7 +225,8 @@ def run_rate(cluster, rate: str, args, workdir: str, port: int) -> dict:
         child = env.environ_snapshot()
         child.update({"MASTER_ADDR": cluster.hosts[0].address, "MASTER_PORT": str(port), "RANK": str(host.index),
                       "WORLD_SIZE": str(len(cluster.hosts)), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
-                      "GLOO_SOCKET_IFNAME": host.iface, "OMP_NUM_THREADS": "1"})
+                      "GLOO_SOCKET_IFNAME": host.iface, "OMP_NUM_THREADS": "1",
+                      "BAGUA_CACHE_DIR": os.path.join(workdir, f"cache-{rate}")})  # no saved choice across rates
         child.update(env.ALLOCATOR_ENV)
         argv = host.exec_prefix() + [sys.executable, os.path.abspath(__file__), "--worker", "--result", out,
                                      "--streams", args.streams, "--sizes-mb", args.sizes_mb,
@@ -250,10 +270,11 @@ def print_report(results: dict, args) -> None:
     for rate, res in results.items():
         base = {"ddp": res["e2e"]["ddp"]["median_s"], "bagua": res["e2e"].get("bagua", {}).get("median_s")}
         for name, v in res["e2e"].items():
-            ref = base["bagua" if name.startswith("bagua") else "ddp"]
+            ref = base["bagua" if name.startswith("bagua") else "ddp"]  # each against its own 1-stream system
             print(f"{rate:>13} {name:>22} {v['median_s'] * 1e3:8.1f} ms  speedup {ref / v['median_s']:5.2f}x")
-        cal = res["calibration"]
-        print(f"{rate:>13} calibration chose {cal['chosen_streams']} stream(s) in {cal['seconds']:.1f} s")
+        for name, cal in res["calibration"].items():
+            print(f"{rate:>13} {name} chose {cal['chosen_streams']} stream(s) in {cal['iterations']} iterations "
+                  f"({cal['seconds']:.1f} s)")
 
 
 def main(argv=None) -> int:
