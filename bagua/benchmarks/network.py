@@ -179,19 +179,22 @@ def run_suite(args: argparse.Namespace) -> tuple[list[dict], dict]:
             "machine": report.machine_info(), "systems": systems}
     jobs = _plan(args, systems, rates)
     rows: list[dict] = []
+    meta["repeats"] = args.repeats
     netns.install_signal_handlers()
     with tempfile.TemporaryDirectory(prefix="bagua-bench-") as workdir, \
-            tqdm(total=len(jobs), desc="bagua-bench", unit="run", file=sys.stderr) as bar:
+            tqdm(total=len(jobs) * args.repeats, desc="bagua-bench", unit="run", file=sys.stderr) as bar:
         for hosts in args.hosts:
             cluster = netns.NetnsCluster(hosts) if emulate else netns.LoopbackCluster(hosts)
             with cluster:
                 for rate in rates:
                     cluster.shape(netns.format_rate(rate))
-                    for job in [j for j in jobs if j.hosts == hosts and j.rate == rate]:
-                        bar.set_postfix_str(job.describe())
+                    # repeats are interleaved (all systems, then all again) so load drift hits every system
+                    for repeat, job in [(k, j) for k in range(args.repeats) for j in jobs
+                                        if j.hosts == hosts and j.rate == rate]:
+                        bar.set_postfix_str(job.describe() + (f" #{repeat + 1}" if args.repeats > 1 else ""))
                         port = (env.find_free_network_port() if not emulate else 20000 + len(rows) % 20000)
                         rows.append(run_job(cluster, job, workdir, port, args.job_timeout))
-                        rows[-1]["run"] = meta["started"]
+                        rows[-1].update(run=meta["started"], repeat=repeat)
                         if rows[-1]["status"] != "ok":
                             tqdm.write(f"{job.describe()}: {rows[-1]['status']}: {rows[-1].get('error', '')[-300:]}",
                                        file=sys.stderr)
@@ -226,6 +229,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (synthetic models)")
     p.add_argument("--steps-at", action="append", default=[], metavar="RATE=WARMUP:STEPS",
                    help="other step counts at one rate, e.g. 100mbit=1:3 (repeatable)")
+    p.add_argument("--repeats", type=int, default=1, help="run every configuration this many times "
+                                                          "(interleaved) and report medians")
     p.add_argument("--epochs", type=int, default=8, help="epochs of the digits model")
     p.add_argument("--batch-size", type=int, default=32, help="per-host batch size")
     p.add_argument("--job-timeout", type=float, default=900.0, help="seconds before a run is killed")
@@ -245,6 +250,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if any(h < 2 for h in args.hosts):
         raise ValueError(f"--hosts {args.hosts}: every host count must be at least 2")
     args.steps_at = _parse_steps_at(args.steps_at)
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     return args
 
 
@@ -252,7 +259,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``bagua-bench`` and ``python -m bagua.benchmarks.network``."""
     args = parse_args(argv)
     rows, meta = run_suite(args)
-    rows = report.add_speedups(rows)
+    rows = report.add_speedups(report.combine_repeats(rows))
     print(report.format_table(rows))
     goals = report.check_goals(rows)
     if goals:

@@ -37,6 +37,7 @@ from typing import Optional, Sequence
 
 __all__ = [
     "summarize_ranks",
+    "combine_repeats",
     "add_speedups",
     "check_goals",
     "format_table",
@@ -103,6 +104,32 @@ def summarize_ranks(ranks: list[dict], rate_bps: Optional[int], emulated: bool) 
         "params": ranks[0]["params"],
         "notes": ranks[0].get("notes", []),
     }
+
+
+_MEDIAN_FIELDS = ("step_s", "samples_per_s", "bytes_per_step", "line_rate", "compute_s", "compress_s",
+                  "communicate_s", "wait_s", "accuracy", "accuracy_min", "final_loss")
+
+
+def combine_repeats(rows: list[dict]) -> list[dict]:
+    """Merge the repeats of each configuration (same run, model, hosts, bandwidth, system) into one row whose
+    numbers are the medians over the successful repeats; ``step_s_repeats`` keeps each repeat's step."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r.get("run"), r["model"], r["hosts"], r["bandwidth"], r["system"]), []).append(r)
+    out = []
+    for group in groups.values():
+        ok = [r for r in group if r.get("status") == "ok"]
+        if len(group) == 1 or not ok:
+            out.append(group[-1])
+            continue
+        row = dict(ok[0])
+        for name in _MEDIAN_FIELDS:
+            row[name] = _median([r.get(name) for r in ok])
+        row["step_s_repeats"] = [r["step_s"] for r in ok]
+        row["repeats"] = len(ok)
+        row["failed_repeats"] = len(group) - len(ok)
+        out.append(row)
+    return out
 
 
 def add_speedups(rows: list[dict]) -> list[dict]:
@@ -212,8 +239,8 @@ def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_pl
 
 
 def plot(rows: list[dict], path: str, title: str = "") -> str:
-    """Plot step time (top) and speedup over DDP (bottom) against bandwidth, one line per system, one column
-    per (model, hosts); return ``path``."""
+    """Plot step time, speedup over DDP and (when a model reports it) test accuracy against bandwidth, one line
+    per system, one column per (model, hosts); return ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,7 +250,8 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
     ok = [r for r in rows if r.get("status") == "ok"]
     panels = sorted({(r["model"], r["hosts"]) for r in ok})
     systems = sorted(dict.fromkeys(r["system"] for r in ok), key=lambda n: (not n.startswith("ddp"), n))
-    fig, axes = plt.subplots(2, len(panels), figsize=(5.2 * len(panels), 7.5), squeeze=False)
+    n_rows = 3 if any(r.get("accuracy") is not None for r in ok) else 2
+    fig, axes = plt.subplots(n_rows, len(panels), figsize=(5.2 * len(panels), 3.75 * n_rows), squeeze=False)
     markers = "os^vD<>pP*hX"
     for col, (model, hosts) in enumerate(panels):
         sub = [r for r in ok if (r["model"], r["hosts"]) == (model, hosts)]
@@ -240,7 +268,16 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
             sp = [(j, pts[bands[j]]["speedup"]) for j in xs if pts[bands[j]].get("speedup") is not None]
             if sp:
                 axes[1][col].plot([j for j, _ in sp], [s for _, s in sp], **style)
-        for row, ylabel in ((0, "median step time (ms, log)"), (1, "speedup over DDP (x, log)")):
+            acc = [(j, pts[bands[j]]["accuracy"]) for j in xs if pts[bands[j]].get("accuracy") is not None]
+            if acc and n_rows == 3:
+                axes[2][col].plot([j for j, _ in acc], [100 * a for _, a in acc], **style)
+        labels = [(0, "median step time (ms, log)"), (1, "speedup over DDP (x, log)")]
+        if n_rows == 3:
+            if any(r.get("accuracy") is not None for r in sub):
+                labels.append((2, "test accuracy (%)"))
+            else:
+                axes[2][col].axis("off")
+        for row, ylabel in labels:
             ax = axes[row][col]
             ax.set_xticks(range(len(bands)))
             ax.set_xticklabels(bands)
@@ -263,7 +300,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
                fontsize=8)
     if title:
         fig.suptitle(textwrap.fill(title, 60 * len(panels)), fontsize=7)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.97))
+    fig.tight_layout(rect=(0, 0.1 if n_rows == 2 else 0.07, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
@@ -279,7 +316,7 @@ def merge(paths: Sequence[str]) -> tuple[list[dict], dict]:
     for path in paths:
         with open(path) as f:
             data = json.load(f)
-        rows += add_speedups(data["results"])  # against the DDP of the same run, before anything is dropped
+        rows += add_speedups(combine_repeats(data["results"]))  # vs the DDP of the same run, before dedup
         metas.append(data["meta"])
     # a configuration measured again (e.g. a failed run repeated) keeps its last successful result
     best: dict[tuple, dict] = {}
