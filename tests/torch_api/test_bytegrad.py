@@ -324,3 +324,46 @@ def test_digits_accuracy_within_two_points_of_gradient_allreduce():
     reference = results[0]["gradient_allreduce"][1]
     distance = {name: (results[0][name][1] - reference).abs().max().item() for name in ("bytegrad", "bytegrad_ef")}
     assert distance["bytegrad_ef"] < distance["bytegrad"], distance
+
+
+def _worker_nonfinite(rank, world_size, policy):
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.with_bagua([opt], ByteGradAlgorithm(hierarchical=False, nonfinite=policy))
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(4, 64)
+    if rank == 1:
+        x[0, 3] = float("nan")  # one bad input on one rank only
+    opt.zero_grad()
+    try:
+        model(x).square().sum().backward()
+    except FloatingPointError as exc:
+        return "raised: " + str(exc)
+    opt.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    grads_none = all(p.grad is None for p in model.parameters())
+    # the next, finite step trains normally on every rank
+    opt.zero_grad()
+    model(torch.randn(4, 64)).square().sum().backward()
+    opt.step()
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return f"skipped={unchanged and grads_none} finite_after={finite}"
+
+
+def test_nonfinite_gradient_raises_on_every_rank():
+    for message in run_workers(_worker_nonfinite, 2, "raise"):
+        assert message.startswith("raised:") and "NaN/Inf in bucket(s)" in message and "nonfinite='skip'" in message
+
+
+def test_nonfinite_gradient_skips_the_step_on_every_rank():
+    assert run_workers(_worker_nonfinite, 2, "skip") == ["skipped=True finite_after=True"] * 2
+
+
+def test_nonfinite_policy_is_validated():
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+
+    with pytest.raises(ValueError, match="choose one of"):
+        ByteGradAlgorithm(nonfinite="warn")

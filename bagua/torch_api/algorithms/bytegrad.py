@@ -224,7 +224,42 @@ def centralized_low_precision_op(
         if c.is_member() and c.nranks() > 1:
             low_precision_allreduce_inplace(flat, c, average, workspace_for(bucket, flat, c))
 
+    low_precision_op.reset = workspaces.clear  # type: ignore[attr-defined]  (drops buffers and residuals)
     return low_precision_op
+
+
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
+
+def check_finite_after_communication(bagua_ddp, policy: str, algorithm: str) -> bool:
+    """Apply ``policy`` when a bucket holds NaN or Inf after an 8-bit allreduce; return whether all was finite.
+
+    A NaN or Inf in any rank's tensor makes the min/max of its 8-bit chunk non-finite, which poisons the whole
+    chunk on *every* rank. All ranks hold the same result after the allgather, so they all see the same answer
+    here and act alike (no rank is left waiting): ``"raise"`` raises ``FloatingPointError``, ``"skip"`` drops
+    every gradient of the step (the optimizer then skips every parameter), ``"ignore"`` does nothing.
+    """
+    if policy == "ignore":
+        return True
+    bad = []
+    for bucket in bagua_ddp.bagua_buckets:
+        tensors = [bucket.flat] if bucket.flat is not None else [t.effective() for t in bucket.tensors]
+        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+            bad.append(bucket.name)
+    if not bad:
+        return True
+    if policy == "raise":
+        raise FloatingPointError(
+            f"rank {dist.get_rank()}: {algorithm} produced NaN/Inf in bucket(s) {bad}: some rank's gradient was not "
+            "finite, and 8-bit compression spreads that to its whole chunk on every rank. Lower the learning rate, "
+            "clip gradients, use torch.amp.GradScaler, or pass nonfinite='skip' to skip such steps."
+        )
+    for t in bagua_ddp._bagua_tensors:  # "skip": the optimizer skips parameters whose gradient is None
+        t.param.grad = None
+    for bucket in bagua_ddp.bagua_buckets:
+        for op in bucket._ops:
+            getattr(op, "reset", lambda: None)()  # residuals of error feedback may hold NaN: start afresh
+    return False
 
 
 class ByteGradAlgorithmImpl(AlgorithmImpl):
@@ -236,11 +271,21 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         hierarchical: bool = True,
         average: bool = True,
         error_feedback: bool = False,
+        nonfinite: str = "raise",
     ) -> None:
         super().__init__(process_group)
         self.hierarchical = hierarchical
         self.average = average
         self.error_feedback = error_feedback
+        self.nonfinite = nonfinite
+
+    def init_post_backward_hook(self, bagua_ddp):
+        def hook() -> None:
+            bagua_ddp.launch_remaining_buckets()
+            bagua_ddp.wait_pending_comm_ops()
+            check_finite_after_communication(bagua_ddp, self.nonfinite, "ByteGrad")
+
+        return hook
 
     def tensors_to_buckets(self, tensors, do_flatten: bool) -> list[BaguaBucket]:
         # padded to the group size so that every bucket splits into one equal chunk per rank
@@ -277,6 +322,9 @@ class ByteGradAlgorithm(Algorithm):
         error_feedback: add each rank's quantization error of the previous steps to its gradient before
             compressing (and the chunk owners' error of the second quantization likewise), so that
             quantization errors do not accumulate; costs one float32 copy of the gradients in memory.
+        nonfinite: what to do when a gradient holds NaN/Inf (which 8-bit compression would spread over its
+            whole chunk on every rank): ``"raise"`` (``FloatingPointError`` on every rank), ``"skip"`` (drop the
+            step's gradients on every rank, so the optimizer skips the step) or ``"ignore"``.
 
     Example:
         >>> from bagua.torch_api.algorithms import bytegrad
@@ -286,13 +334,20 @@ class ByteGradAlgorithm(Algorithm):
     hierarchical: bool = True
     average: bool = True
     error_feedback: bool = False
+    nonfinite: str = "raise"
 
     def __post_init__(self) -> None:
         for name in ("hierarchical", "average", "error_feedback"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ByteGradAlgorithm({name}=...) must be True or False, got {getattr(self, name)!r}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"ByteGradAlgorithm(nonfinite={self.nonfinite!r}): choose one of {NONFINITE_POLICIES}")
 
     def reify(self, process_group: BaguaProcessGroup) -> ByteGradAlgorithmImpl:
         return ByteGradAlgorithmImpl(
-            process_group, hierarchical=self.hierarchical, average=self.average, error_feedback=self.error_feedback
+            process_group,
+            hierarchical=self.hierarchical,
+            average=self.average,
+            error_feedback=self.error_feedback,
+            nonfinite=self.nonfinite,
         )

@@ -190,6 +190,17 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
             )
         return tensors
 
+    def init_post_backward_hook(self, bagua_ddp):
+        from bagua.torch_api.algorithms.bytegrad import check_finite_after_communication
+
+        def hook() -> None:
+            bagua_ddp.launch_remaining_buckets()
+            bagua_ddp.wait_pending_comm_ops()
+            if self.compressing:  # a NaN momentum in 8 bits poisons its whole chunk on every rank: fail loudly
+                check_finite_after_communication(bagua_ddp, "raise", "QAdam")
+
+        return hook
+
     def _get_momentum(self, p: torch.Tensor) -> torch.Tensor:
         return self.optimizer.state[p]["exp_avg"]
 
