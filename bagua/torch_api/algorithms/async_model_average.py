@@ -40,9 +40,15 @@ import torch.distributed as dist
 
 from bagua.torch_api import env
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from bagua.torch_api.algorithms.decentralized import (
+    _copy_weights_from,
+    _copy_weights_into,
+    _one_bucket_per_dtype,
+    _weight_tensors,
+)
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.process_group import BaguaProcessGroup
-from bagua.torch_api.tensor import BaguaTensor, weight_tensor
+from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = ["AsyncModelAverageAlgorithm", "AsyncModelAverageAlgorithmImpl"]
 
@@ -95,6 +101,10 @@ class _WeightLock:
             self._cv.notify_all()
 
 
+def _flat_like(bucket: BaguaBucket) -> torch.Tensor:
+    return torch.empty(bucket.numel + bucket.padding, dtype=bucket.dtype, device=bucket.device)
+
+
 def _sync(tensor: torch.Tensor) -> None:
     if tensor.is_cuda:
         torch.cuda.current_stream(tensor.device).synchronize()
@@ -119,12 +129,12 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         self.step_id = 0
         self._warmup = warmup_steps > 0
         self._buckets: list[BaguaBucket] = []
+        self._round_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._lock = _WeightLock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._state = _NEW
         self._error: Optional[BaseException] = None
-        self._reported_stop = False
         # the averaging thread's own group, so its collectives never interleave with the training thread's;
         # created collectively now, since every rank wraps its model at the same time
         self._ranks = list(process_group.ranks)
@@ -145,16 +155,14 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         self._warmup = self.step_id < self.warmup_steps
         if self._warmup:
             return super().init_tensors(bagua_ddp)
-        module_name = bagua_ddp.bagua_module_name
-        return [weight_tensor(p, name, module_name) for name, p in reversed(bagua_ddp.bagua_build_params())]
+        return _weight_tensors(bagua_ddp)
 
     def tensors_to_buckets(self, tensors: Sequence[Sequence[BaguaTensor]], do_flatten: bool) -> list[BaguaBucket]:
         if self._warmup:
             return super().tensors_to_buckets(tensors, do_flatten)
-        by_dtype: dict[str, list[BaguaTensor]] = {}
-        for t in (t for group in tensors for t in group):
-            by_dtype.setdefault(str(t.dtype), []).append(t)
-        buckets = [BaguaBucket(ts, str(i), flatten=do_flatten) for i, (_, ts) in enumerate(sorted(by_dtype.items()))]
+        buckets = _one_bucket_per_dtype(tensors, do_flatten)
+        # per bucket, the round's snapshot and average, allocated once
+        self._round_buffers = [(_flat_like(b), _flat_like(b)) for b in buckets]
         self._buckets = buckets
         return buckets
 
@@ -233,7 +241,6 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
     def _start(self) -> None:
         self._stop.clear()
         self._error = None
-        self._reported_stop = False
         self._state = _RUNNING
         self._thread = threading.Thread(target=self._run_loop, name="bagua-async-model-average", daemon=True)
         self._thread.start()
@@ -261,15 +268,14 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
             logger.warning("rank %d: async model averaging had stopped on an error: %r", dist.get_rank(), self._error)
 
     def _report_if_stopped(self) -> None:
-        if self._state != _RUNNING or self._thread is None or self._thread.is_alive() or self._reported_stop:
+        if self._state != _RUNNING or self._thread is None or self._thread.is_alive():
             return
-        self._reported_stop = True
         reason = f"on an error: {self._error!r}" if self._error is not None else "because a peer called abort()"
         logger.warning(
             "rank %d: async model averaging stopped %s; training goes on without averaging until every rank "
             "calls resume()", dist.get_rank(), reason,
         )
-        self._thread, self._state = None, _STOPPED
+        self._thread, self._state = None, _STOPPED  # forgetting the thread: reported once
 
     def _run_loop(self) -> None:
         try:
@@ -293,27 +299,26 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
 
     def _average_once(self) -> None:
         """One round: ``s = x``; ``a = mean over ranks of s``; ``x += a - s``."""
+        rounds = list(zip(self._buckets, self._round_buffers))
         self._lock.acquire_for_round()
         try:
-            snapshots = [_gather(bucket) for bucket in self._buckets]
-            if snapshots:
-                _sync(snapshots[0])
+            for bucket, (snapshot, _) in rounds:
+                _copy_weights_into(bucket, snapshot)
+                _sync(snapshot)
         finally:
             self._lock.release_for_round()
-        averages = []
-        for s in snapshots:
-            a = s.clone()
+        for _, (snapshot, average) in rounds:
+            average.copy_(snapshot)
             if len(self._ranks) > 1:
-                dist.all_reduce(a, group=self._thread_group)
-                a.div_(len(self._ranks))
-            averages.append(a.sub_(s))
+                dist.all_reduce(average, group=self._thread_group)
+                average.div_(len(self._ranks))
+            average.sub_(snapshot)
         self._lock.acquire_for_round()
         try:
             with torch.no_grad():
-                for bucket, delta in zip(self._buckets, averages):
-                    _add_to_weights(bucket, delta)
-            if averages:
-                _sync(averages[0])
+                for bucket, (_, delta) in rounds:
+                    _copy_weights_from(bucket, delta, accumulate=True)
+                    _sync(delta)
         finally:
             self._lock.release_for_round()
 
@@ -323,23 +328,6 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         return torch.device("cuda", torch.cuda.current_device()) if self.process_group.stream is not None else (
             torch.device("cpu")
         )
-
-
-def _gather(bucket: BaguaBucket) -> torch.Tensor:
-    """A flat copy of the bucket's weights."""
-    if bucket.flat is not None and bucket.check_flatten():
-        return bucket.flat.clone()
-    return bucket.flattened_tensor()
-
-
-def _add_to_weights(bucket: BaguaBucket, delta: torch.Tensor) -> None:
-    if bucket.flat is not None and bucket.check_flatten():
-        bucket.flat.add_(delta)
-        return
-    offset = 0
-    for t in bucket.tensors:
-        t.effective().add_(delta[offset : offset + t.numel()].view(t.shape))
-        offset += t.numel()
 
 
 # Threads still running at interpreter exit are stopped without collectives (peers may be gone already).

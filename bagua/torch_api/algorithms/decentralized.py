@@ -125,14 +125,15 @@ def _copy_weights_into(bucket: BaguaBucket, out: torch.Tensor) -> None:
         offset += t.numel()
 
 
-def _copy_weights_from(bucket: BaguaBucket, src: torch.Tensor) -> None:
-    """Overwrite the bucket's weights with the flat ``src``."""
+def _copy_weights_from(bucket: BaguaBucket, src: torch.Tensor, accumulate: bool = False) -> None:
+    """Overwrite the bucket's weights with the flat ``src`` (with ``accumulate``: add ``src`` to them)."""
     if bucket.flat is not None and bucket.check_flatten():
-        bucket.flat.copy_(src)
+        bucket.flat.add_(src) if accumulate else bucket.flat.copy_(src)
         return
     offset = 0
     for t in bucket.tensors:
-        t.effective().copy_(src[offset : offset + t.numel()].view(t.shape))
+        part = src[offset : offset + t.numel()].view(t.shape)
+        t.effective().add_(part) if accumulate else t.effective().copy_(part)
         offset += t.numel()
 
 
