@@ -10,10 +10,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
-from bagua.torch_api import env
 
 __all__ = ["BaguaCommunicator", "BaguaProcessGroup", "new_torch_group"]
 

@@ -79,7 +79,7 @@ def _worker_collectives(rank, world_size):
     got = torch.zeros(n * x.numel())
     bagua.gather(x, got, dst=0)
     if rank == 0:
-        out["gather"] = (got, torch.cat(parts_full := [_data(r) for r in range(n)]))
+        out["gather"] = (got, torch.cat([_data(r) for r in range(n)]))
     buf = torch.zeros(n * 3)
     buf[rank * 3:(rank + 1) * 3] = x[:3]
     bagua.gather_inplace(buf, 3, dst=1)

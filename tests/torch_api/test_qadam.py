@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.testing import assert_close
 
 from tests.harness import run_workers

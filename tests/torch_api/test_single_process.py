@@ -8,7 +8,6 @@ import sys
 import textwrap
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
 

@@ -7,7 +7,6 @@ instead of hanging in a later collective. Optimizer state travels as tensors plu
 
 from __future__ import annotations
 
-import json
 import zlib
 from typing import Any, Sequence
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-import zlib
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -155,9 +154,14 @@ class BaguaDistributedDataParallel:
         self.impl: AlgorithmImpl = algorithm.reify(process_group)
         self._worker = _CommWorker(f"bagua-comm-{self.bagua_module_name}", process_group.stream)
         # one small collective: every rank learns whether the model/optimizers agree everywhere
-        _state_sync.check_consistency(self.module, self.bagua_build_params(), self.bagua_optimizers, process_group)
-        self._register_framework_hooks()
-        self._bagua_init_algorithm()
+        try:
+            _state_sync.check_consistency(self.module, self.bagua_build_params(), self.bagua_optimizers, process_group)
+            self._bagua_init_algorithm()
+            self._register_framework_hooks()
+        except BaseException:
+            # leave the module and optimizers as they were, so that the user can fix the input and wrap again
+            self.close()
+            raise
         from bagua.autotune import hooks as autotune_hooks  # here: bagua.autotune imports the engine's modules
 
         autotune_hooks.on_wrap(self)  # BAGUA_NET=1: multistream; BAGUA_AUTOTUNE>=1: autotune; else nothing
