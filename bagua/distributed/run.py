@@ -86,7 +86,10 @@ def set_bagua_env(args: argparse.Namespace, environ: MutableMapping[str, str]) -
     environ["BAGUA_IS_OUTPUT_AUTOTUNE_LOG"] = "1" if args.is_output_autotune_log else "0"
     environ["BAGUA_REPORT_METRICS"] = "1" if args.report_metrics else "0"
     if args.enable_bagua_net:
+        from bagua.torch_api import multistream
+
         environ["BAGUA_NET"] = "1"
+        multistream.apply_nccl_socket_env(environ)  # NCCL reads its socket settings once, before it starts
     env.set_default(environ, env.ALLOCATOR_ENV)
 
 
