@@ -4,7 +4,7 @@ For each size and each collective, every rank runs ``--warmup`` untimed then ``-
 before each), and rank 0 prints the median time and the *algorithm bandwidth* ``bytes / time``, where bytes is
 the size of one rank's input (as in nccl-tests' algbw). ``bagua.*`` rows go through
 :mod:`bagua.torch_api.communication`; ``torch.*`` rows call ``torch.distributed`` directly, so the difference is
-Bagua's wrapper cost. Runs on CPU with gloo, or on CUDA with NCCL when the launcher gives each rank a GPU.
+Bagua's wrapper cost (``AVG`` on gloo is a sum followed by a division, which torch's gloo lacks). Runs on CPU with gloo, or on CUDA with NCCL when the launcher gives each rank a GPU.
 
 The MinMaxUInt8 codec has its own micro benchmark, ``benchmarks/codec.py`` (encode/decode GB/s on CPU and GPU).
 
@@ -55,8 +55,9 @@ def collectives(n: int) -> dict[str, Callable[[], None]]:
     u8 = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
     u8_gathered = torch.empty(n * world, dtype=torch.uint8, device=device)
     return {
-        "bagua.allreduce_inplace AVG": lambda: C.allreduce_inplace(x, C.ReduceOp.AVG),
+        "bagua.allreduce_inplace SUM": lambda: C.allreduce_inplace(x, C.ReduceOp.SUM),
         "torch.all_reduce SUM": lambda: dist.all_reduce(x),
+        "bagua.allreduce_inplace AVG": lambda: C.allreduce_inplace(x, C.ReduceOp.AVG),
         "bagua.allgather": lambda: C.allgather(x, gathered),
         "torch.all_gather_into_tensor": lambda: dist.all_gather_into_tensor(gathered, x),
         "bagua.allgather uint8": lambda: C.allgather(u8, u8_gathered),

@@ -41,6 +41,7 @@ __all__ = [
     "add_speedups",
     "check_goals",
     "format_table",
+    "format_markdown",
     "format_goals",
     "write_results",
     "plot",
@@ -197,6 +198,26 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(text)
 
 
+def format_markdown(rows: list[dict]) -> str:
+    """The rows as a Markdown table (step, samples/s, speedup, MB/step, line rate, accuracy, phases)."""
+    head = ["model", "hosts", "bandwidth", "system", "step ms", "samples/s", "speedup", "MB/step", "line %",
+            "acc %", "compute", "compress", "comm", "wait"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 4 + "---:|" * (len(head) - 4)]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['model']} | {r['hosts']} | {r['bandwidth']} | {r['system']} | "
+                         f"{r.get('status')} |" + " |" * (len(head) - 5))
+            continue
+        cells = [r["model"], str(r["hosts"]), r["bandwidth"], r["system"], _fmt(r["step_s"], ".0f", 1e3),
+                 _fmt(r.get("samples_per_s"), ".1f"), _fmt(r.get("speedup"), ".2f"),
+                 _fmt(r.get("bytes_per_step"), ".1f", 1e-6) + ("~" if r.get("bytes_approximate") else ""),
+                 _fmt(r.get("line_rate"), ".0f", 100), _fmt(r.get("accuracy"), ".1f", 100),
+                 _fmt(r.get("compute_s"), ".0f", 1e3), _fmt(r.get("compress_s"), ".0f", 1e3),
+                 _fmt(r.get("communicate_s"), ".0f", 1e3), _fmt(r.get("wait_s"), ".0f", 1e3)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def format_goals(goals: list[dict]) -> str:
     """One line per goal: measured value, target, met or missed."""
     lines = []
@@ -337,8 +358,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("inputs", nargs="+", help="JSON files written by bagua-bench")
     p.add_argument("--out-dir", required=True)
     p.add_argument("--name", required=True)
+    p.add_argument("--markdown", action="store_true", help="also write <name>.md (a Markdown table)")
     args = p.parse_args(argv)
     rows, meta = merge(args.inputs)
+    if args.markdown:
+        with open(os.path.join(args.out_dir, f"{args.name}.md"), "w") as f:
+            f.write(format_markdown(rows) + "\n")
     goals = check_goals(rows)
     print(format_table(rows))
     if goals:
