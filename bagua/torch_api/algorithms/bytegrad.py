@@ -252,7 +252,9 @@ def check_finite_after_communication(bagua_ddp, policy: str, algorithm: str) -> 
         raise FloatingPointError(
             f"rank {dist.get_rank()}: {algorithm} produced NaN/Inf in bucket(s) {bad}: some rank's gradient was not "
             "finite, and 8-bit compression spreads that to its whole chunk on every rank. Lower the learning rate, "
-            "clip gradients, use torch.amp.GradScaler, or pass nonfinite='skip' to skip such steps."
+            "clip gradients, or use torch.amp.GradScaler"
+            + (", or pass nonfinite='skip' to skip such steps." if algorithm == "ByteGrad" else
+               " (for QAdam: a longer warmup_steps or a larger eps bounds updates of rarely-seen coordinates).")
         )
     for t in bagua_ddp._bagua_tensors:  # "skip": the optimizer skips parameters whose gradient is None
         t.param.grad = None
