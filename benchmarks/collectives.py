@@ -1,10 +1,11 @@
 """Micro benchmark of Bagua's collectives: algorithm bandwidth (GB/s) of each, next to the raw torch call.
 
-For each size and each collective, every rank runs ``--warmup`` untimed then ``--iters`` timed calls (a barrier
-before each), and rank 0 prints the median time and the *algorithm bandwidth* ``bytes / time``, where bytes is
-the size of one rank's input (as in nccl-tests' algbw). ``bagua.*`` rows go through
-:mod:`bagua.torch_api.communication`; ``torch.*`` rows call ``torch.distributed`` directly, so the difference is
-Bagua's wrapper cost (``AVG`` on gloo is a sum followed by a division, which torch's gloo lacks). Runs on CPU with gloo, or on CUDA with NCCL when the launcher gives each rank a GPU.
+For each size, every rank runs ``--warmup`` untimed then ``--iters`` timed rounds, each round calling every
+collective once in turn (a barrier before each call), and rank 0 prints the median time and the *algorithm
+bandwidth* ``bytes / time``, where bytes is the size of one rank's input (as in nccl-tests' algbw). ``bagua.*``
+rows go through :mod:`bagua.torch_api.communication`; ``torch.*`` rows call ``torch.distributed`` directly, so
+the difference is Bagua's wrapper cost (``AVG`` on gloo is a sum followed by a division, which torch's gloo
+lacks). Runs on CPU with gloo, or on CUDA with NCCL when the launcher gives each rank a GPU.
 
 The MinMaxUInt8 codec has its own micro benchmark, ``benchmarks/codec.py`` (encode/decode GB/s on CPU and GPU).
 
@@ -68,20 +69,22 @@ def collectives(n: int) -> dict[str, Callable[[], None]]:
     }
 
 
-def time_op(fn: Callable[[], None]) -> float:
-    """Median seconds of one call."""
-    times = []
+def time_ops(ops: dict[str, Callable[[], None]], names: list[str]) -> dict[str, float]:
+    """Median seconds of one call of each op; rounds go over all ops in turn, so drift in the load of the
+    machine hits every op alike."""
+    times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(args.warmup + args.iters):
-        dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name in names:
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            ops[name]()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 results = []
@@ -89,8 +92,9 @@ for size_mb in [float(s) for s in args.sizes_mb.split(",")]:
     n = int(size_mb * 1e6 / 4) // world * world
     ops = collectives(n)
     names = list(ops) if args.ops == "all" else [o.strip() for o in args.ops.split(",")]
+    medians = time_ops(ops, names)
     for name in names:
-        seconds = torch.tensor(time_op(ops[name]), dtype=torch.float64)
+        seconds = torch.tensor(medians[name], dtype=torch.float64)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)  # the slowest rank finishes the collective
         nbytes = n * (1 if "uint8" in name else 4)
         results.append({"op": name, "bytes": nbytes, "median_s": seconds.item(),

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from bagua.benchmarks import netns, report
-from bagua.benchmarks.workload import MODELS, available_systems
+from bagua.benchmarks.workload import MODELS, available_systems, split_system
 from bagua.torch_api import env
 
 __all__ = ["Job", "parse_args", "resolve_systems", "run_job", "run_suite", "main"]
@@ -65,7 +65,7 @@ def resolve_systems(spec: str) -> list[str]:
     if spec.strip() == "all":
         return available
     names = [s.strip() for s in spec.split(",") if s.strip()]
-    unknown = [s for s in names if s not in available]
+    unknown = [s for s in names if split_system(s)[0] not in available]
     if unknown:
         raise ValueError(f"unknown systems {unknown}; available now: {', '.join(available)}")
     return names
@@ -223,7 +223,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--hosts", default="2", help="comma list of host counts, e.g. 2,4")
     p.add_argument("--bandwidths", default="unshaped,10gbit,1gbit,100mbit", help="comma list of tc rates")
     p.add_argument("--systems", default="all", help="'all' or a comma list (ddp, ddp_fp16, ddp_powersgd, "
-                                                     "Bagua algorithm names)")
+                                                     "Bagua algorithm names, with arguments as "
+                                                     "name:key=value, e.g. decentralized:peer_selection_mode=shift_one)")
     p.add_argument("--models", default="mlp,digits", help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (synthetic models)")

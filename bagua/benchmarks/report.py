@@ -269,7 +269,7 @@ def plot(rows: list[dict], path: str, title: str = "") -> str:
     import matplotlib.ticker
 
     ok = [r for r in rows if r.get("status") == "ok"]
-    panels = sorted({(r["model"], r["hosts"]) for r in ok})
+    panels = sorted({(r["model"], r["hosts"]) for r in ok}, key=lambda p: (p[0] != "mlp", p[0], p[1]))
     systems = sorted(dict.fromkeys(r["system"] for r in ok), key=lambda n: (not n.startswith("ddp"), n))
     n_rows = 3 if any(r.get("accuracy") is not None for r in ok) else 2
     fig, axes = plt.subplots(n_rows, len(panels), figsize=(5.2 * len(panels), 3.75 * n_rows), squeeze=False)

@@ -40,7 +40,7 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["MODELS", "DDP_SYSTEMS", "CODEC_PASSES", "available_systems", "build_model", "main"]
+__all__ = ["MODELS", "DDP_SYSTEMS", "CODEC_PASSES", "available_systems", "split_system", "build_model", "main"]
 
 DDP_SYSTEMS = ("ddp", "ddp_fp16", "ddp_powersgd")
 
@@ -144,6 +144,29 @@ def _batches(args: argparse.Namespace, rank: int, world: int) -> tuple[list, Opt
 
 
 # -- systems -------------------------------------------------------------------------------------------------
+
+
+def split_system(spec: str) -> tuple[str, dict[str, Any]]:
+    """Split a system spec ``name[:key=value[:key=value...]]`` into the name and the algorithm's arguments.
+
+    Example:
+        >>> split_system("decentralized:peer_selection_mode=shift_one:communication_interval=2")
+        ('decentralized', {'peer_selection_mode': 'shift_one', 'communication_interval': 2})
+    """
+    import ast
+
+    name, *pairs = spec.split(":")
+    kwargs: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"system {spec!r}: write extra arguments as name:key=value, e.g. "
+                             "decentralized:peer_selection_mode=shift_one")
+        try:
+            kwargs[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            kwargs[key] = value
+    return name, kwargs
 
 
 def load_algorithm_modules() -> None:
@@ -294,6 +317,9 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     timer = _IntervalTimer()
+    name, kwargs = split_system(name)
+    if kwargs and (name in DDP_SYSTEMS or name == "qadam"):
+        raise ValueError(f"{name} takes no extra arguments in this benchmark, got {kwargs}")
     if name in DDP_SYSTEMS:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -325,7 +351,7 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
         notes.append(f"QAdamOptimizer, warmup_steps={qadam_warmup}")
     else:
         optimizer = _make_optimizer(optimizer_kind, model.parameters(), lr)
-        algorithm = Algorithm.init(name)
+        algorithm = Algorithm.init(name, **kwargs)
     model = model.with_bagua([optimizer], algorithm)
 
     def close() -> None:
@@ -452,7 +478,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         qadam_warmup = max(1, len(_batches(args, rank, world)[0]) // 5)
     else:
         qadam_warmup = 1
-    args.warmup = untimed_steps(args.system, args.warmup, qadam_warmup)
+    args.warmup = untimed_steps(split_system(args.system)[0], args.warmup, qadam_warmup)
     batches, test = _batches(args, rank, world)
     if len(batches) <= args.warmup:
         raise ValueError(f"{len(batches)} steps in total but --warmup={args.warmup}: add epochs or steps")
@@ -485,7 +511,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     dist.barrier()  # every rank measures compute and the codec at the same time, as in training
     compute = (_median_compute_step(replica, optimizer_kind, lr, loss_fn, batches, args.compute_steps)
                if replica is not None else None)
-    codec = _codec_seconds(args.system, numel, world)
+    codec = _codec_seconds(split_system(args.system)[0], numel, world)
     result = {
         "rank": rank, "world_size": world, "system": args.system, "model": args.model, "params": numel,
         "batch_size": args.batch_size, "warmup": args.warmup, "timed_steps": len(times),

@@ -112,3 +112,13 @@ def test_combine_repeats_takes_medians_per_configuration():
     assert ddp["step_s"] == 2.0 and ddp["step_s_repeats"] == [1.0, 3.0, 2.0] and ddp["repeats"] == 3
     assert bytegrad["repeats"] == 1 and bytegrad["failed_repeats"] == 1
     assert bytegrad["speedup"] == pytest.approx(4.0)
+
+
+def test_split_system_reads_algorithm_arguments():
+    from bagua.benchmarks.workload import split_system
+
+    assert split_system("bytegrad") == ("bytegrad", {})
+    assert split_system("decentralized:peer_selection_mode=shift_one:communication_interval=2") == (
+        "decentralized", {"peer_selection_mode": "shift_one", "communication_interval": 2})
+    with pytest.raises(ValueError, match="name:key=value"):
+        split_system("decentralized:shift_one")
