@@ -15,7 +15,6 @@ Every wait has a timeout (``BAGUA_COMM_TIMEOUT_S``) and fails with the rank, the
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -32,8 +31,6 @@ from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = ["BaguaDistributedDataParallel"]
-
-logger = logging.getLogger(__name__)
 
 
 def _queue_backward_end_callback(callback: Callable[[], None]) -> None:
@@ -151,6 +148,7 @@ class BaguaDistributedDataParallel:
         self._hook_handles: list[Any] = []
         self._autograd_handles: list[Any] = []
         self._bucket_plan: Optional[list[list[str]]] = None
+        self._params: list[tuple[str, torch.nn.Parameter]] = []
         self.impl: AlgorithmImpl = algorithm.reify(process_group)
         self._worker = _CommWorker(f"bagua-comm-{self.bagua_module_name}", process_group.stream)
         # one small collective: every rank learns whether the model/optimizers agree everywhere
@@ -189,9 +187,9 @@ class BaguaDistributedDataParallel:
 
     def _bagua_init_algorithm(self) -> None:
         self.wait_pending_comm_ops()
-        _state_sync.broadcast_module_and_optimizers(
-            self.module, self.bagua_build_params(), self.bagua_optimizers, self.process_group
-        )
+        # the walk over the module tree is done once per (re)initialization, not on every step
+        self._params = self.bagua_build_params()
+        _state_sync.broadcast_module_and_optimizers(self.module, self._params, self.bagua_optimizers, self.process_group)
         self._bagua_tensors = self.impl.init_tensors(self)
         names = [t.name for t in self._bagua_tensors]
         if len(set(names)) != len(names):
@@ -234,7 +232,7 @@ class BaguaDistributedDataParallel:
         for handle in self._autograd_handles:
             handle.remove()
         self._autograd_handles = []
-        for name, param in self.bagua_build_params():
+        for name, param in self._params:
             self._autograd_handles.append(
                 param.register_post_accumulate_grad_hook(lambda p, name=name: self._on_param_ready(name, p))
             )
@@ -248,7 +246,7 @@ class BaguaDistributedDataParallel:
         if self.impl.need_reset():
             self._bagua_init_algorithm()
         if self.find_unused_parameters:
-            self._params_with_grad_before = {id(p) for _, p in self.bagua_build_params() if p.grad is not None}
+            self._params_with_grad_before = {id(p) for _, p in self._params if p.grad is not None}
         self._forward_pre_fn(inputs)
 
     def _on_param_ready(self, name: str, param: torch.Tensor) -> None:
@@ -361,7 +359,7 @@ class BaguaDistributedDataParallel:
             self._next_bucket = 0
 
     def _restore_globally_unused_grads(self) -> None:
-        params = self.bagua_build_params()
+        params = self._params
         used = torch.tensor(
             [1 if (name in self._used_names or id(p) in self._params_with_grad_before) else 0 for name, p in params],
             dtype=torch.int32,
