@@ -367,3 +367,18 @@ def test_nonfinite_policy_is_validated():
 
     with pytest.raises(ValueError, match="choose one of"):
         ByteGradAlgorithm(nonfinite="warn")
+
+
+def test_all_finite_is_exact_even_when_the_sum_overflows():
+    from bagua.torch_api.algorithms.bytegrad import all_finite
+
+    big = torch.full((4,), 3e38)  # finite, but its float32 sum is inf: the exact test must decide
+    assert all_finite(big) and all_finite(torch.randn(1000)) and all_finite(torch.arange(5))
+    assert all_finite(torch.full((8,), 6e4, dtype=torch.float16))  # sum overflows float16, not float32
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        x = torch.randn(1000)
+        x[777] = bad
+        assert not all_finite(x) and not all_finite(x.half())
+    y = big.clone()
+    y[1] = -float("inf")
+    assert not all_finite(y)

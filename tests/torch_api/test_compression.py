@@ -65,6 +65,23 @@ def test_bit_identical_to_the_plain_formula(kind):
     assert torch.equal(y, expected)
 
 
+def test_fast_path_equals_general_path(monkeypatch):
+    """Rows whose codes provably need no clamp skip it (and the int32 cast); both paths give the same bytes."""
+    torch.manual_seed(3)
+    rows = [torch.randn(300) * 10.0 ** float(torch.randint(-8, 6, ())) + float(torch.randn(())) * 10.0 ** k
+            for k in range(-3, 7) for _ in range(20)]
+    x = torch.stack(rows)
+    mm = codec.chunk_minmax(x)
+    fast = codec._unclamped_rows(mm, *codec._scale_lower(mm))
+    assert 0 < sum(fast) < len(rows)  # both paths are exercised
+    wire, y = _roundtrip(x)
+    monkeypatch.setattr(codec, "_unclamped_rows", lambda minmax, scale, lower: [False] * minmax.shape[0])
+    wire_general, y_general = _roundtrip(x)
+    assert torch.equal(wire, wire_general) and torch.equal(y, y_general)
+    q, _ = _plain_codes(x[torch.tensor(fast)])
+    assert torch.equal(wire[torch.tensor(fast), codec.HEADER_BYTES :], q)
+
+
 def test_constant_and_zero_chunks_decode_to_themselves():
     x = torch.stack([torch.zeros(100), torch.full((100,), 0.5), torch.full((100,), -7.25)])
     _, y = _roundtrip(x)

@@ -61,6 +61,7 @@ __all__ = [
     "Workspace",
     "low_precision_allreduce_inplace",
     "centralized_low_precision_op",
+    "all_finite",
 ]
 
 #: Elements of a chunk sent per collective; larger chunks are sent in several pipelined segments.
@@ -231,20 +232,45 @@ def centralized_low_precision_op(
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
 
-def check_finite_after_communication(bagua_ddp, policy: str, algorithm: str) -> bool:
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every element of ``t`` is finite, in one read-only pass when it is.
+
+    The float32 sum of finite values is finite unless it overflows, and a NaN or Inf anywhere makes the sum
+    NaN or Inf; so a finite sum proves the tensor finite, and only a non-finite sum pays for the exact
+    element-wise test (``torch.isfinite(t).all()`` allocates a mask and costs about 15x a sum on CPU).
+
+    Example:
+        >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
+        (True, False)
+    """
+    if not t.is_floating_point():
+        return True
+    total = t.sum(dtype=torch.float32) if t.element_size() < 4 else t.sum()
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(t).all())
+
+
+def check_finite_after_communication(
+    bagua_ddp, policy: str, algorithm: str, known: Optional[dict[str, bool]] = None
+) -> bool:
     """Apply ``policy`` when a bucket holds NaN or Inf after an 8-bit allreduce; return whether all was finite.
 
     A NaN or Inf in any rank's tensor makes the min/max of its 8-bit chunk non-finite, which poisons the whole
     chunk on *every* rank. All ranks hold the same result after the allgather, so they all see the same answer
     here and act alike (no rank is left waiting): ``"raise"`` raises ``FloatingPointError``, ``"skip"`` drops
     every gradient of the step (the optimizer then skips every parameter), ``"ignore"`` does nothing.
+    ``known`` maps bucket names to a verdict already reached (on the communication thread, see
+    :class:`ByteGradAlgorithmImpl`); the other buckets are checked here.
     """
     if policy == "ignore":
         return True
     bad = []
     for bucket in bagua_ddp.bagua_buckets:
-        tensors = [bucket.flat] if bucket.flat is not None else [t.effective() for t in bucket.tensors]
-        if not all(bool(torch.isfinite(t).all()) for t in tensors):
+        if known is not None and bucket.name in known:
+            finite = known[bucket.name]
+        else:
+            tensors = [bucket.flat] if bucket.flat is not None else [t.effective() for t in bucket.tensors]
+            finite = all(all_finite(t) for t in tensors)
+        if not finite:
             bad.append(bucket.name)
     if not bad:
         return True
@@ -280,14 +306,20 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         self.average = average
         self.error_feedback = error_feedback
         self.nonfinite = nonfinite
+        self._finite: dict[str, bool] = {}  # bucket name -> its result was finite, filled by the comm thread
 
     def init_post_backward_hook(self, bagua_ddp):
         def hook() -> None:
             bagua_ddp.launch_remaining_buckets()
             bagua_ddp.wait_pending_comm_ops()
-            check_finite_after_communication(bagua_ddp, self.nonfinite, "ByteGrad")
+            known, self._finite = self._finite, {}
+            check_finite_after_communication(bagua_ddp, self.nonfinite, "ByteGrad", known)
 
         return hook
+
+    def _record_finite(self, bucket: BaguaBucket, flat: torch.Tensor) -> None:
+        # runs on the communication thread right after the bucket's allreduce, while later buckets travel
+        self._finite[bucket.name] = all_finite(flat)
 
     def tensors_to_buckets(self, tensors, do_flatten: bool) -> list[BaguaBucket]:
         # padded to the group size so that every bucket splits into one equal chunk per rank
@@ -310,6 +342,8 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
                 compression="MinMaxUInt8",
                 group=self.process_group,
             )
+        if self.nonfinite != "ignore":
+            bucket.append_op(self._record_finite)
 
 
 @GlobalAlgorithmRegistry.register("bytegrad", description="gradients averaged in 8 bits (MinMaxUInt8 scatter-gather)")
