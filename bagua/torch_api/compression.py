@@ -279,12 +279,12 @@ def decode_sum_chunks(wire: torch.Tensor, out: torch.Tensor, work: Optional[torc
             b = min(a + BLOCK, length)
             acc = flat_out[a:b] if direct else buf[block : block + b - a]
             w = buf[: b - a]
-            for i in range(n):
-                target = acc if i == 0 else w
-                target.copy_(codes[i, a:b])
-                target.add_(lowers[i]).div_(scales[i])
-                if i > 0:
-                    acc.add_(w)
+            acc.copy_(codes[0, a:b])
+            acc.add_(lowers[0]).div_(scales[0])
+            for i in range(1, n):
+                w.copy_(codes[i, a:b])
+                w.add_(lowers[i])
+                acc.addcdiv_(w, scale[i, 0])  # acc + (w / scale): the division and the sum, in one pass
             if not direct:
                 flat_out[a:b].copy_(acc)
     else:

@@ -153,17 +153,27 @@ def low_precision_allreduce_inplace(
             decode_chunks(ws.send[k], residual)
             torch.sub(chunks[:, a:b], residual, out=residual)
 
-    # 3: decode the n copies of chunk r and add them in rank order
+    # 3: decode the n copies of chunk r and add them in rank order; each segment is averaged and its min/max
+    # taken while it is still in cache, as the next segments arrive
+    bounds = []
     for k, (a, b) in enumerate(ws.segments):
         handles[k].wait()
-        decode_sum_chunks(ws.recv[k], own[a:b], ws.work)
-    if average:
-        own.div_(n)
-    if ws.server_residual is not None:
-        own.add_(ws.server_residual)
+        segment = own[a:b]
+        decode_sum_chunks(ws.recv[k], segment, ws.work)
+        if average:
+            segment.div_(n)
+        if ws.server_residual is not None:
+            segment.add_(ws.server_residual[a:b])
+        if b > a:
+            bounds.append(torch.aminmax(segment))
 
     # 4: encode chunk r, all-gather it segment by segment
-    own_minmax = chunk_minmax(own.view(1, -1))
+    own_minmax = (
+        torch.stack((torch.stack([m.min for m in bounds]).amin(), torch.stack([m.max for m in bounds]).amax()))
+        .view(1, 2)
+        if bounds
+        else chunk_minmax(own.view(1, -1))
+    )
     handles = []
     for k, (a, b) in enumerate(ws.segments):
         encode_chunks(own[a:b].view(1, -1), ws.mine[k], ws.work, minmax=own_minmax)
