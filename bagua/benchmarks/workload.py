@@ -311,6 +311,18 @@ def untimed_steps(system: str, requested: int, qadam_warmup: int) -> int:
     return requested
 
 
+def qadam_warmup_steps(total_steps: Optional[int], timed_steps: int) -> int:
+    """QAdam's full-precision warmup: 20 % of the run, the 1-bit Adam paper's advice, and at least 2 steps (its
+    frozen variance is the average of the warmup's squared gradients: one step gives a poor denominator).
+
+    ``total_steps`` is the run's length when it is fixed (digits: its epochs); ``None`` for the synthetic
+    models, whose run is the warmup, the switch step and ``timed_steps`` timed steps, so the warmup is the
+    smallest ``W`` with ``W >= 0.2 * (W + 1 + timed_steps)``."""
+    if total_steps is not None:
+        return max(2, total_steps // 5)
+    return max(2, -(-(timed_steps + 1) // 4))
+
+
 def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: float, qadam_warmup: int) -> System:
     """Wrap ``model`` for ``name`` (a DDP variant or a Bagua algorithm name) and build its optimizer;
     ``qadam_warmup`` is QAdam's number of full-precision steps."""
@@ -472,12 +484,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     spec = MODELS[args.model]
     optimizer_kind = "adam" if spec.classify else "sgd"
     lr = args.lr if args.lr is not None else (0.002 if spec.classify else 0.01)
-    # QAdam's full-precision warmup: 20 % of the steps (the 1-bit Adam paper's advice) on digits, 1 step on
-    # the synthetic models, which measure speed only
-    if spec.classify:
-        qadam_warmup = max(1, len(_batches(args, rank, world)[0]) // 5)
-    else:
-        qadam_warmup = 1
+    qadam_warmup = qadam_warmup_steps(len(_batches(args, rank, world)[0]) if spec.classify else None, args.steps)
     args.warmup = untimed_steps(split_system(args.system)[0], args.warmup, qadam_warmup)
     batches, test = _batches(args, rank, world)
     if len(batches) <= args.warmup:

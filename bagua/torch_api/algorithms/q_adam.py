@@ -7,12 +7,27 @@ hardly changes, so it is frozen and only the first moment ``m`` is communicated,
 1. ``t <= W`` (warmup): gradients are averaged in float32 (gradient allreduce), then the Adam update of ``m``
    and ``v``.
 2. ``t > W`` (compression): during backward, each rank updates ``m <- m + (1-b1) * (g + lambda*p - m)`` with its
-   local gradient, and the momenta are averaged with ByteGrad's 8-bit scatter-reduce-gather; ``v`` is not
-   updated.
-3. Every step: ``p <- p - lr / (1-b1^t) * m / (sqrt(v) / sqrt(1-b2^min(t, W)) + eps)``.
+   local gradient, and the momenta are averaged with ByteGrad's 8-bit scatter-reduce-gather. Then ``v`` is not
+   updated from the gradients any more (it is frozen), but it is raised where the averaged momentum outgrows it:
+   ``v <- max(v, (1-b2^W) / (1-b1^t)^2 * m^2)``.
+3. Every step: ``p <- p - lr / (1-b1^t) * m / (sqrt(v) / sqrt(1-b2^min(t, W)) + eps)`` (``eps`` where
+   ``torch.optim.Adam`` puts it).
 
-Differences from the original Bagua, each fixing a quirk: the moments are updated at the last warmup step
-``t = W`` (the original allreduced that step's gradients and then skipped the update); the weight decay is
+The floor of step 2 is the one deviation from the 1-bit Adam maths, and it only acts where those are not
+well-defined: it makes ``sqrt(v_hat) >= |m_hat|`` (the bias-corrected moments), so no coordinate moves by more
+than ``lr`` in one step -- the bound Kingma & Ba (https://arxiv.org/abs/1412.6980, section 2.1) give as Adam's
+usual step size. Without it, a coordinate whose gradient was (almost) zero throughout the warmup -- a dead ReLU
+unit, a pixel that is always blank, any coordinate after a one-step warmup whose first gradient was tiny --
+keeps ``v ~ 0`` for good, and the first non-zero momentum it gets (a real gradient, or a small momentum rounded
+to a whole 8-bit step of its chunk's range) moves it by about ``lr * m / eps``: e.g. ``2e-3 * 1.4e-3 / 1e-8 =
+280`` for a first-layer weight of the digits CNN of the benchmarks, whose training then diverges to NaN within
+a few steps, with or without the 8-bit compression. Adam itself never has the problem, because its ``v`` grows
+with the new gradients. Where the frozen ``v`` is consistent with the momentum (``|m_hat| <= sqrt(v_hat)``, the
+usual case), QAdam is exactly the frozen-variance algorithm. The floor is computed from the averaged momentum,
+identical on every rank, so ``v`` stays identical everywhere and costs no communication.
+
+Other differences from the original Bagua, each fixing a quirk: the moments are updated at the last warmup
+step ``t = W`` (the original allreduced that step's gradients and then skipped the update); the weight decay is
 applied after the warmup too (the original dropped it, because it was added to a gradient that is no longer
 used); the bias correction of the frozen ``v`` is frozen with it (``1-b2^W``; the original kept dividing by
 ``1-b2^t``, which enlarges the steps by up to ``1/sqrt(1-b2^W)`` as ``t`` grows); and the algorithm switches
@@ -47,15 +62,18 @@ class QAdamOptimizer(torch.optim.Optimizer):
     """Adam with a warmup, after which the variance is frozen and the momentum comes from :class:`QAdamAlgorithm`.
 
     After the warmup this optimizer does not update the momentum itself: use it with :class:`QAdamAlgorithm`,
-    which does so during backward (and averages it across ranks).
+    which does so during backward (and averages it across ranks). The frozen variance is raised where the
+    averaged momentum outgrows it, so that no coordinate moves by more than ``lr`` in a compressed step (the
+    one deviation from the 1-bit Adam maths; see the module docstring for why).
 
     Args:
         params: parameters or parameter groups.
         lr: learning rate.
         warmup_steps: number of full-precision Adam steps (at least 1) before the compression stage; the
-            1-bit Adam paper suggests about 20% of the training steps.
+            1-bit Adam paper suggests about 20% of the training steps (``v`` is frozen at its value after
+            them, so a short warmup gives a poor, noisy denominator).
         betas: coefficients of the running averages of the gradient and its square.
-        eps: added to the denominator.
+        eps: added to the denominator (as in ``torch.optim.Adam``).
         weight_decay: L2 penalty, added to the gradient.
 
     Example:
@@ -133,6 +151,10 @@ class QAdamOptimizer(torch.optim.Optimizer):
                 bias_correction2 = 1 - beta2 ** min(step, self.warmup_steps)
                 step_size = group["lr"] / bias_correction1
                 bias_correction2_sqrt = bias_correction2**0.5
+                if step > self.warmup_steps:
+                    # step 2: v <- max(v, (1-b2^W) / (1-b1^t)^2 * m^2), so that |update| <= lr (module docstring)
+                    floor = exp_avg.square().mul_(bias_correction2 / bias_correction1**2)
+                    torch.maximum(exp_avg_sq, floor, out=exp_avg_sq)
                 denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(group["eps"])
                 p.addcdiv_(exp_avg, denom, value=-step_size)
         return loss
