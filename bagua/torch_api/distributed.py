@@ -103,26 +103,28 @@ class BaguaModule:
         self._bagua_module_name = name
 
     @property
-    def bagua_algorithm(self: torch.nn.Module) -> AlgorithmImpl:  # type: ignore[misc]
-        """The algorithm implementation the module trains with."""
-        return _engine(self).impl
+    def bagua_algorithm(self: torch.nn.Module) -> Optional[AlgorithmImpl]:  # type: ignore[misc]
+        """The algorithm implementation the module trains with (``None`` before ``with_bagua``)."""
+        ddp = _engine(self)
+        return ddp.impl if ddp is not None else None
 
     @property
     def bagua_optimizers(self: torch.nn.Module) -> list[torch.optim.Optimizer]:  # type: ignore[misc]
-        """The optimizers given to ``with_bagua``."""
-        return _engine(self).bagua_optimizers
+        """The optimizers given to ``with_bagua`` (empty before)."""
+        ddp = _engine(self)
+        return ddp.bagua_optimizers if ddp is not None else []
 
     @property
     def bagua_buckets(self: torch.nn.Module) -> list[BaguaBucket]:  # type: ignore[misc]
-        """The module's buckets."""
-        return _engine(self).bagua_buckets
+        """The module's buckets (empty before ``with_bagua``)."""
+        ddp = _engine(self)
+        return ddp.bagua_buckets if ddp is not None else []
 
 
-def _engine(module: torch.nn.Module) -> "BaguaDistributedDataParallel":
-    ddp = getattr(module, "bagua_ddp", None)
-    if ddp is None:
-        raise RuntimeError(f"{type(module).__name__} is not wrapped: call module.with_bagua(optimizers, algorithm)")
-    return ddp
+def _engine(module: torch.nn.Module) -> "Optional[BaguaDistributedDataParallel]":
+    # These properties live on every nn.Module, so they must not raise on modules that are not wrapped: tools
+    # read every attribute in dir(module) (torch.compile does) and would fail on the first one that raises.
+    return getattr(module, "bagua_ddp", None)
 
 
 def _install() -> None:

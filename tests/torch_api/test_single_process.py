@@ -60,3 +60,17 @@ def test_init_twice_is_an_error():
 def test_nccl_world_size_one_on_cuda():
     proc = _run(TRAIN.format(device="cuda", backend="nccl"))
     assert proc.returncode == 0 and "OK cuda" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_unwrapped_modules_read_as_empty_and_torch_compile_works():
+    """Bagua's attributes on nn.Module never raise on a module that is not wrapped (None or empty), because
+    torch.compile reads every attribute of dir(module) and fails on one that raises."""
+    proc = _run("""
+        import torch, bagua.torch_api as bagua
+        m = torch.nn.Linear(4, 2)
+        assert m.bagua_algorithm is None and m.bagua_buckets == [] and m.bagua_optimizers == []
+        x = torch.randn(3, 4)
+        assert torch.allclose(torch.compile(m, backend="eager")(x), m(x))
+        print("OK")
+    """)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-2000:]
