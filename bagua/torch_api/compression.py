@@ -38,6 +38,7 @@ __all__ = [
     "EPS",
     "HEADER_BYTES",
     "BLOCK",
+    "ChunkParams",
     "wire_buffer",
     "scratch_buffer",
     "chunk_minmax",
@@ -107,6 +108,46 @@ def _header(wire: torch.Tensor) -> torch.Tensor:
     return wire[:, :HEADER_BYTES].reshape(-1).view(torch.float32).view(n, 2)
 
 
+class ChunkParams:
+    """The per-chunk codec parameters, derived once from the ``(n, 2)`` float32 min/max of ``n`` chunks.
+
+    A chunk sent in several segments uses the same parameters for every segment; preparing them once (instead of
+    at every call) saves about 0.1-0.2 ms of small tensor operations per segment on CPU.
+
+    Args:
+        minmax: the ``(n, 2)`` min and max of each chunk (:func:`chunk_minmax`), or of the chunks a wire holds
+            (:meth:`of_wire`).
+
+    Example:
+        >>> x = torch.randn(2, 1000)
+        >>> p = ChunkParams(chunk_minmax(x))
+        >>> wire = wire_buffer(2, 500)
+        >>> encode_chunks(x[:, :500], wire, params=p)  # the first segment of both chunks
+    """
+
+    __slots__ = ("_fast", "header", "lower", "lowers", "minmax", "scale", "scales")
+
+    def __init__(self, minmax: torch.Tensor) -> None:
+        self.minmax = minmax.detach().float().contiguous().clone()
+        self.header = self.minmax.view(torch.uint8)
+        self.scale, self.lower = _scale_lower(self.minmax)
+        self.scales: list[float] = self.scale.view(-1).tolist()
+        self.lowers: list[float] = self.lower.view(-1).tolist()
+        self._fast: Optional[list[bool]] = None
+
+    @classmethod
+    def of_wire(cls, wire: torch.Tensor) -> "ChunkParams":
+        """The parameters of the chunks encoded in ``wire`` (read from its headers)."""
+        return cls(_header(wire))
+
+    @property
+    def fast(self) -> list[bool]:
+        """Per chunk, whether the encoder may skip its clamp (see :func:`_unclamped_rows`)."""
+        if self._fast is None:
+            self._fast = _unclamped_rows(self.minmax, self.scale, self.lower)
+        return self._fast
+
+
 def _scratch(work: Optional[torch.Tensor], numel: int, device: torch.device) -> torch.Tensor:
     if work is not None and work.dtype == torch.float32 and work.is_contiguous() and work.numel() >= numel:
         return work.view(-1)[:numel]
@@ -146,7 +187,11 @@ def chunk_minmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def encode_chunks(
-    x: torch.Tensor, wire: torch.Tensor, work: Optional[torch.Tensor] = None, minmax: Optional[torch.Tensor] = None
+    x: torch.Tensor,
+    wire: torch.Tensor,
+    work: Optional[torch.Tensor] = None,
+    minmax: Optional[torch.Tensor] = None,
+    params: Optional[ChunkParams] = None,
 ) -> None:
     """Encode the rows of ``x`` (``(n, L)``, float) into ``wire`` (``(n, 8 + L)``, uint8).
 
@@ -158,6 +203,7 @@ def encode_chunks(
         minmax: optional ``(n, 2)`` float32 per-row min/max to use instead of ``x``'s own (see
             :func:`chunk_minmax`): encoding the column slices ``x[:, a:b]`` of chunks with the whole chunks'
             min/max gives segments whose codes are those of the whole chunks, so a chunk can be sent in pieces.
+        params: the same, prepared once for all segments (:class:`ChunkParams`); takes precedence over ``minmax``.
 
     Example:
         >>> wire = wire_buffer(1, 3); encode_chunks(torch.tensor([[0.0, 0.5, 1.0]]), wire)
@@ -170,16 +216,15 @@ def encode_chunks(
         wire.zero_()
         return
     xf = x if x.dtype == torch.float32 else x.float()
-    minmax = chunk_minmax(xf) if minmax is None else minmax.float().contiguous()
-    wire[:, :HEADER_BYTES].copy_(minmax.view(torch.uint8))
-    scale, lower = _scale_lower(minmax)
+    if params is None:
+        params = ChunkParams(chunk_minmax(xf) if minmax is None else minmax)
+    wire[:, :HEADER_BYTES].copy_(params.header)
     codes = wire[:, HEADER_BYTES:]
     if _blocked(xf):
         block = min(length, BLOCK)
         buf = _scratch(work, 2 * block, xf.device)
         as_int = buf[block:].view(torch.int32)
-        safe = _unclamped_rows(minmax, scale, lower)
-        for row, out, s, lo, fast in zip(xf, codes, scale.view(-1).tolist(), lower.view(-1).tolist(), safe):
+        for row, out, s, lo, fast in zip(xf, codes, params.scales, params.lowers, params.fast):
             for a in range(0, length, BLOCK):
                 b = min(a + BLOCK, length)
                 w, wi = buf[: b - a], as_int[: b - a]
@@ -196,13 +241,17 @@ def encode_chunks(
                 out[a:b].copy_(wi)
     else:
         w = _scratch(work, n * length, xf.device).view(n, length)
-        torch.mul(xf, scale, out=w)
-        w.round_().sub_(lower).clamp_(0.0, 255.0)
+        torch.mul(xf, params.scale, out=w)
+        w.round_().sub_(params.lower).clamp_(0.0, 255.0)
         codes.copy_(w)
 
 
 def decode_chunks(
-    wire: torch.Tensor, out: torch.Tensor, accumulate: bool = False, work: Optional[torch.Tensor] = None
+    wire: torch.Tensor,
+    out: torch.Tensor,
+    accumulate: bool = False,
+    work: Optional[torch.Tensor] = None,
+    params: Optional[ChunkParams] = None,
 ) -> None:
     """Decode ``wire`` (``(n, 8 + L)``) into ``out`` (``(n, L)``); with ``accumulate``, add to ``out`` instead.
 
@@ -211,6 +260,8 @@ def decode_chunks(
         out: float output, one chunk per row.
         accumulate: add the decoded values to ``out`` instead of overwriting it.
         work: optional float32 scratch from :func:`scratch_buffer` (used with ``accumulate`` or a non-float32 ``out``).
+        params: the chunks' parameters when already known (:class:`ChunkParams`, e.g. from an earlier segment of
+            the same chunks); read from ``wire``'s headers otherwise.
 
     Example:
         >>> wire = wire_buffer(1, 3); encode_chunks(torch.tensor([[0.0, 0.5, 1.0]]), wire)
@@ -221,12 +272,12 @@ def decode_chunks(
     _check_wire(wire, n, length)
     if length == 0:
         return
-    scale, lower = _scale_lower(_header(wire))
+    params = params or ChunkParams.of_wire(wire)
     codes = wire[:, HEADER_BYTES:]
     direct = out.dtype == torch.float32 and not accumulate
     if _blocked(out):
         buf = None if direct else _scratch(work, min(length, BLOCK), out.device)
-        for row, q, s, lo in zip(out, codes, scale.view(-1).tolist(), lower.view(-1).tolist()):
+        for row, q, s, lo in zip(out, codes, params.scales, params.lowers):
             for a in range(0, length, BLOCK):
                 b = min(a + BLOCK, length)
                 w = row[a:b] if buf is None else buf[: b - a]
@@ -239,14 +290,16 @@ def decode_chunks(
     else:
         w = out if direct else _scratch(work, n * length, out.device).view(n, length)
         w.copy_(codes)
-        w.add_(lower).div_(scale)
+        w.add_(params.lower).div_(params.scale)
         if accumulate:
             out.add_(w)
         elif not direct:
             out.copy_(w)
 
 
-def decode_sum_chunks(wire: torch.Tensor, out: torch.Tensor, work: Optional[torch.Tensor] = None) -> None:
+def decode_sum_chunks(
+    wire: torch.Tensor, out: torch.Tensor, work: Optional[torch.Tensor] = None, params: Optional[ChunkParams] = None
+) -> None:
     """Write into ``out`` (``(L,)``) the sum of the ``n`` decoded rows of ``wire``, added in row order.
 
     This is the reduce step of a scatter-reduce: ``out = ((d_0 + d_1) + d_2) + ...`` in float32, bit-identical
@@ -256,6 +309,7 @@ def decode_sum_chunks(wire: torch.Tensor, out: torch.Tensor, work: Optional[torc
         wire: ``(n, 8 + L)`` encoded chunks (row ``i`` from rank ``i``).
         out: float output of ``L`` elements.
         work: optional float32 scratch from :func:`scratch_buffer`.
+        params: the rows' parameters when already known (:class:`ChunkParams`); read from the headers otherwise.
 
     Example:
         >>> wire = wire_buffer(2, 2); encode_chunks(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), wire)
@@ -268,11 +322,12 @@ def decode_sum_chunks(wire: torch.Tensor, out: torch.Tensor, work: Optional[torc
     if length == 0:
         return
     flat_out = out.view(-1)
-    scale, lower = _scale_lower(_header(wire))
+    params = params or ChunkParams.of_wire(wire)
+    scale, lower = params.scale, params.lower
     codes = wire[:, HEADER_BYTES:]
     direct = flat_out.dtype == torch.float32
     if _blocked(flat_out):
-        scales, lowers = scale.view(-1).tolist(), lower.view(-1).tolist()
+        scales, lowers = params.scales, params.lowers
         block = min(length, BLOCK)
         buf = _scratch(work, block if direct else 2 * block, flat_out.device)
         for a in range(0, length, BLOCK):

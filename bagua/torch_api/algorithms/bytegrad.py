@@ -45,6 +45,7 @@ from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgo
 from bagua.torch_api.bucket import BaguaBucket, BucketOp
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.compression import (
+    ChunkParams,
     chunk_minmax,
     decode_chunks,
     decode_sum_chunks,
@@ -143,23 +144,25 @@ def low_precision_allreduce_inplace(
     # 1-2: encode every chunk, segment by segment, each segment's all-to-all launched at once
     if ws.residual is not None:
         chunks.add_(ws.residual)
-    minmax = chunk_minmax(chunks)
+    params = ChunkParams(chunk_minmax(chunks))  # one header for all the segments of a chunk
     handles = []
     for k, (a, b) in enumerate(ws.segments):
-        encode_chunks(chunks[:, a:b], ws.send[k], ws.work, minmax=minmax)
+        encode_chunks(chunks[:, a:b], ws.send[k], ws.work, params=params)
         handles.append(dist.all_to_all_single(ws.recv[k].view(-1), ws.send[k].view(-1), group=c.group, async_op=True))
         if ws.residual is not None:  # e = x - D(Q(x)), while the segment travels
             residual = ws.residual[:, a:b]
-            decode_chunks(ws.send[k], residual)
+            decode_chunks(ws.send[k], residual, params=params)
             torch.sub(chunks[:, a:b], residual, out=residual)
 
     # 3: decode the n copies of chunk r and add them in rank order; each segment is averaged and its min/max
     # taken while it is still in cache, as the next segments arrive
     bounds = []
+    received = None  # every segment of a chunk carries the chunk's header: read the headers once
     for k, (a, b) in enumerate(ws.segments):
         handles[k].wait()
         segment = own[a:b]
-        decode_sum_chunks(ws.recv[k], segment, ws.work)
+        received = received or ChunkParams.of_wire(ws.recv[k])
+        decode_sum_chunks(ws.recv[k], segment, ws.work, params=received)
         if average:
             segment.div_(n)
         if ws.server_residual is not None:
@@ -168,7 +171,7 @@ def low_precision_allreduce_inplace(
             bounds.append(torch.aminmax(segment))
 
     # 4: encode chunk r, all-gather it segment by segment
-    own_minmax = (
+    own_params = ChunkParams(
         torch.stack((torch.stack([m.min for m in bounds]).amin(), torch.stack([m.max for m in bounds]).amax()))
         .view(1, 2)
         if bounds
@@ -176,17 +179,19 @@ def low_precision_allreduce_inplace(
     )
     handles = []
     for k, (a, b) in enumerate(ws.segments):
-        encode_chunks(own[a:b].view(1, -1), ws.mine[k], ws.work, minmax=own_minmax)
+        encode_chunks(own[a:b].view(1, -1), ws.mine[k], ws.work, params=own_params)
         handles.append(_all_gather_single(ws.recv[k].view(-1), ws.mine[k].view(-1), group=c.group, async_op=True))
         if ws.server_residual is not None:  # s = y - D(Q(y))
             residual = ws.server_residual[a:b].view(1, -1)
-            decode_chunks(ws.mine[k], residual)
+            decode_chunks(ws.mine[k], residual, params=own_params)
             torch.sub(own[a:b].view(1, -1), residual, out=residual)
 
     # 5: decode every chunk
+    gathered = None
     for k, (a, b) in enumerate(ws.segments):
         handles[k].wait()
-        decode_chunks(ws.recv[k], chunks[:, a:b])
+        gathered = gathered or ChunkParams.of_wire(ws.recv[k])
+        decode_chunks(ws.recv[k], chunks[:, a:b], params=gathered)
     if ws.staging is not None:
         flat.view(-1).copy_(x[: ws.numel])
 
