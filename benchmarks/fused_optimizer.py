@@ -10,10 +10,15 @@ Variants: ``unfused`` (``foreach=False``, the per-parameter loop), ``fused`` (th
 exist only for torch's Adam and SGD. ``fused_new_grads`` is the fused step when every gradient is a new tensor
 (``zero_grad()`` with the default ``set_to_none=True``), which costs one copy into the flat gradient.
 
+The fused variants use ``fuse_optimizer``'s defaults: on CPU, chunks sized for the optimizer's state and flat
+buffers on transparent huge pages where Linux allows it (``--huge-pages off`` sets ``BAGUA_FUSE_HUGE_PAGES=0``;
+``--chunk-bytes`` fixes the chunk size).
+
 Usage:
     python benchmarks/fused_optimizer.py                      # CPU, torch's default thread count
-    python benchmarks/fused_optimizer.py --threads 1 --out fused_1t.json
+    python benchmarks/fused_optimizer.py --threads 1 --clock cpu --steps 15 --out fused_1t.json
     python benchmarks/fused_optimizer.py --device cuda --steps 50
+    python benchmarks/fused_optimizer.py --threads 1 --clock cpu --steps 24 --sweep-kib 1024 1536 2048 4096
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import time
 import torch
 
 from bagua.torch_api.contrib import fuse_optimizer
+from bagua.torch_api.contrib.fuse.layout import huge_pages_enabled
 
 
 class Lion(torch.optim.Optimizer):
@@ -93,6 +99,16 @@ def variants(name, n, shape, device, chunk_bytes):
     return out
 
 
+def sweep_variants(name, n, shape, device, kibs):
+    """Return ``{variant: step callable}``: the unfused step and the fused step with each chunk size (KiB)."""
+    make = OPTIMIZERS[name]
+    out = {"unfused": make(make_params(n, shape, device), foreach=False).step}
+    for kib in kibs:
+        fused = fuse_optimizer(make(make_params(n, shape, device), foreach=False), chunk_bytes=kib << 10)
+        out[f"fused@{kib}KiB"] = fused.fuse_step
+    return out
+
+
 def time_round_robin(steps_by_variant, steps, warmup, device, clock):
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     now = time.process_time if clock == "cpu" else time.perf_counter
@@ -117,25 +133,40 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--chunk-bytes", type=int, default=None, help="fuse_optimizer chunk_bytes (default: auto)")
+    parser.add_argument("--huge-pages", choices=["auto", "off"], default="auto",
+                        help="off: BAGUA_FUSE_HUGE_PAGES=0, flat buffers on ordinary pages")
     parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                         help="wall: perf_counter; cpu: this process's CPU time (steadier on a loaded machine; use "
                              "with --threads 1, as it adds up the threads' times)")
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+    parser.add_argument("--sweep-kib", type=int, nargs="+", default=None,
+                        help="instead: time the unfused step against fused steps with these chunk sizes (KiB)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.huge_pages == "off":
+        os.environ["BAGUA_FUSE_HUGE_PAGES"] = "0"
 
     shape = tuple(args.shape)
-    results = {}
+    if args.sweep_kib:
+        for name in args.optimizers:
+            r = time_round_robin(sweep_variants(name, args.params, shape, args.device, args.sweep_kib), args.steps,
+                                 args.warmup, args.device, args.clock)
+            print(f"{name:<14}" + "  ".join(f"{v} {ms:.2f} ms ({r['unfused'] / ms:.2f}x)" for v, ms in r.items()),
+                  flush=True)
+        return
+    huge_pages = args.device == "cpu" and huge_pages_enabled()
+    results, chunks = {}, {}
     for name in args.optimizers:
-        results[name] = time_round_robin(
-            variants(name, args.params, shape, args.device, args.chunk_bytes), args.steps, args.warmup, args.device,
-            args.clock,
-        )
+        steps = variants(name, args.params, shape, args.device, args.chunk_bytes)
+        results[name] = time_round_robin(steps, args.steps, args.warmup, args.device, args.clock)
+        plan = steps["fused"].__self__._bagua_fuser.plan
+        chunks[name] = sorted({c.numel() * c.element_size() for runs, _ in plan for run in runs for c in run.chunks})
 
     print(f"\n{args.params} params of {shape}, {args.device}, {torch.get_num_threads()} threads, "
-          f"torch {torch.__version__}, median of {args.steps} steps, {args.clock} clock (ms)")
+          f"torch {torch.__version__}, median of {args.steps} steps, {args.clock} clock (ms); "
+          f"huge pages {'on' if huge_pages else 'off'}, fused chunk bytes {chunks}")
     cols = ["unfused", "fused", "fused_new_grads", "foreach", "torch_fused"]
     print(f"{'optimizer':<14}" + "".join(f"{c:>16}" for c in cols)
           + f"{'unfused/fused':>15}{'foreach/fused':>15}{'fused/torch_fused':>19}")
@@ -146,6 +177,7 @@ def main():
     if args.out:
         meta = dict(params=args.params, shape=list(shape), device=args.device, threads=torch.get_num_threads(),
                     steps=args.steps, chunk_bytes=args.chunk_bytes, clock=args.clock,
+                    huge_pages=huge_pages, fused_chunk_bytes=chunks,
                     load_average=list(os.getloadavg()), torch=torch.__version__,
                     machine=platform.machine(), processor=platform.processor())
         with open(args.out, "w") as f:

@@ -200,6 +200,107 @@ def test_state_dict_round_trip():
                for i, p in enumerate(seg.params))
 
 
+# -- large segments: huge-page flat buffers, automatic chunk sizes -------------------------------------------------
+
+LARGE_SHAPES = [(512, 1024), (1000,), (512, 1024), (33, 7)]  # 4.2 MiB of float32: huge pages, several chunks
+
+
+def _mapped(address: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+def test_flat_buffer_huge_pages(monkeypatch):
+    from bagua.torch_api.contrib.fuse import layout
+
+    if not layout.huge_pages_enabled():
+        pytest.skip("transparent huge pages are not available here")
+    cpu = torch.device("cpu")
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        n = layout.HUGE_PAGES_MIN_BYTES // torch.empty((), dtype=dtype).element_size() + 3
+        buf = layout.flat_buffer(n, dtype, cpu, zero=False)
+        assert buf.shape == (n,) and buf.dtype == dtype and buf.is_contiguous()
+        assert buf.data_ptr() % (2 << 20) == 0 and not buf.untyped_storage().resizable()
+        assert torch.count_nonzero(buf) == 0  # fresh anonymous memory reads as zeros
+        view = buf[5:9]
+        address = buf.data_ptr()
+        del buf
+        view.fill_(2)  # a view keeps the mapping alive
+        assert view.sum() == 8 and _mapped(address)
+        del view
+        assert not _mapped(address)  # unmapped with the last tensor
+    assert layout.flat_buffer(10, torch.float32, cpu).untyped_storage().resizable()  # small: ordinary
+    monkeypatch.setenv("BAGUA_FUSE_HUGE_PAGES", "0")
+    assert not layout.huge_pages_enabled()
+    assert layout.flat_buffer(n, torch.float64, cpu).untyped_storage().resizable()
+
+
+@pytest.mark.parametrize("huge_pages", ["1", "0"])
+@pytest.mark.parametrize("name,chunk_kib", [("sgd_momentum", 1536), ("adam", 1024), ("lion", 1536)])
+def test_large_segment_automatic_chunks_and_state_dict(monkeypatch, name, chunk_kib, huge_pages):
+    """Several automatic-size chunks per run, sized for the state the first step made; bitwise equal to step(),
+    also after a state dict round trip into a plain and into a fused optimizer."""
+    from bagua.torch_api.contrib.fuse import layout
+
+    monkeypatch.setenv("BAGUA_FUSE_HUGE_PAGES", huge_pages)
+    make = OPTIMIZERS[name]
+    ref_params, fused_params = make_params(shapes=LARGE_SHAPES), make_params(shapes=LARGE_SHAPES)
+    ref, fused = make(ref_params), fuse_optimizer(make(fused_params))
+    for step in range(3):
+        grads = grads_for(ref_params, step)
+        set_grads(ref_params, grads, keep=False)
+        set_grads(fused_params, grads)
+        ref.step()
+        fused.fuse_step()
+    assert_same(ref, fused, ref_params, fused_params)
+    fuser = fused._bagua_fuser
+    seg = fuser.layouts[0].segments[0]
+    (run,), _ = fuser.plan[0]
+    assert run.sized_for == len(seg.flat_state) and len(run.chunks) > 1
+    assert run.chunks[0].numel() * 4 == chunk_kib * 1024
+    on_huge_pages = huge_pages == "1" and layout.huge_pages_enabled()
+    for flat in (seg.flat_param, seg.flat_grad, *seg.flat_state.values()):
+        assert (flat.data_ptr() % (2 << 20) == 0 and not flat.untyped_storage().resizable()) == on_huge_pages
+
+    buf = io.BytesIO()
+    torch.save(fused.state_dict(), buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    plain_params, refused_params = make_params(shapes=LARGE_SHAPES), make_params(shapes=LARGE_SHAPES)
+    with torch.no_grad():
+        for d1, d2, src in zip(plain_params, refused_params, fused_params):
+            d1.copy_(src)
+            d2.copy_(src)
+    plain, refused = make(plain_params), fuse_optimizer(make(refused_params))
+    plain.load_state_dict(loaded)
+    refused.load_state_dict(copy.deepcopy(fused.state_dict()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3, 5):
+            grads = grads_for(ref_params, step)
+            for ps in (ref_params, plain_params, refused_params, fused_params):
+                set_grads(ps, grads)
+            ref.step()
+            plain.step()
+            refused.fuse_step()
+            fused.fuse_step()
+    assert any("copied into the flat state" in str(w.message) for w in caught)
+    for opt, ps in ((plain, plain_params), (refused, refused_params), (fused, fused_params)):
+        assert_same(ref, opt, ref_params, ps)
+
+
+def test_cpu_chunk_bytes_rule():
+    from bagua.torch_api.contrib.fuse import plan
+
+    sizes = [plan.cpu_chunk_bytes(k) for k in range(20)]
+    assert sizes[0] == 3 << 20 and sizes[1] == 1536 << 10 and sizes[2] == 1 << 20 and sizes[-1] == plan.CPU_CHUNK_MIN
+    assert sizes == sorted(sizes, reverse=True) and all(s % 4096 == 0 for s in sizes)
+
+
 @pytest.mark.parametrize("name", ["adam", "sgd_momentum", "lion"])
 def test_plain_step_in_between(name):
     """A plain ``step()`` (even the first one, creating state outside the flat buffers) mixes with fuse_step."""

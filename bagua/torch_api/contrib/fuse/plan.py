@@ -15,9 +15,28 @@ import torch
 
 from bagua.torch_api.contrib.fuse.layout import Segment, state_buffer
 
-__all__ = ["Run", "make_runs", "split_on_scalars", "make_run", "write_run", "CPU_CHUNK_BYTES"]
+__all__ = ["Run", "make_runs", "split_on_scalars", "make_run", "write_run", "elementwise_count", "cpu_chunk_bytes",
+           "CPU_CHUNK_BUDGET"]
 
-CPU_CHUNK_BYTES = 1 << 20  # measured best for Adam on a 512 KiB-L2 CPU (benchmarks/fused_optimizer.py)
+# On CPU a chunk is sized so that everything one chunk's step touches stays in the last-level cache between the
+# step's passes: the parameter, its gradient, each elementwise state tensor and about as many temporaries as state
+# tensors (Adam's sqrt and division results, Lion's interpolated momentum), within CPU_CHUNK_BUDGET bytes. On a
+# 32 MiB-L3 EPYC this gives 1.5 MiB for SGD with momentum and for Lion and 1 MiB for Adam, at or next to the best
+# sizes measured there (benchmarks/fused_optimizer.py --sweep-kib, docs/fused_optimizer.md): 1 MiB made SGD 6-11%
+# slower than 1.5-4 MiB; 2 MiB made Lion 3-13% and 4 MiB Adam 7-30% slower than 1 MiB.
+CPU_CHUNK_BUDGET = 6 << 20
+CPU_CHUNK_MIN, CPU_CHUNK_MAX = 256 << 10, 4 << 20
+
+
+def cpu_chunk_bytes(state_tensors: int) -> int:
+    """Return the automatic CPU chunk size for a step with ``state_tensors`` elementwise state tensors.
+
+    Example:
+        >>> cpu_chunk_bytes(1) // 1024, cpu_chunk_bytes(2) // 1024, cpu_chunk_bytes(0) // 1024
+        (1536, 1024, 3072)
+    """
+    size = CPU_CHUNK_BUDGET // (2 + 2 * state_tensors)
+    return min(CPU_CHUNK_MAX, max(CPU_CHUNK_MIN, size - size % 4096))
 
 
 @dataclass(eq=False)
@@ -26,7 +45,8 @@ class Run:
 
     Fields: ``chunks`` and ``starts`` (each chunk's element offset in the segment), ``states`` (each chunk's
     optimizer state), ``slices`` (per chunk, the flat-state views handed to the optimizer, to tell whether it
-    replaced them), ``checked`` (state keys whose per-parameter views are known to be in place).
+    replaced them), ``checked`` (state keys whose per-parameter views are known to be in place), ``sized_for``
+    (how many elementwise state tensors the automatic CPU chunk size assumed; None when not automatic).
     """
 
     seg: Segment
@@ -37,6 +57,7 @@ class Run:
     states: list[dict]
     slices: list[dict]
     checked: set = field(default_factory=set)
+    sized_for: int | None = None
 
 
 def make_runs(
@@ -49,7 +70,7 @@ def make_runs(
         codes: per segment, 1 where the parameter can be fused this step, 0 where not.
         loose: the group's parameters that are in no segment.
         state: the optimizer's ``state``.
-        chunk_bytes: the most bytes per chunk; None: :data:`CPU_CHUNK_BYTES` on CPU, unlimited elsewhere.
+        chunk_bytes: the most bytes per chunk; None: :func:`cpu_chunk_bytes` on CPU, unlimited elsewhere.
     """
     runs, loose = [], list(loose)
     for seg, seg_codes in zip(segments, codes):
@@ -93,9 +114,13 @@ def make_run(seg: Segment, a: int, b: int, state: dict, chunk_bytes: Optional[in
     """
     lo, hi = seg.offsets[a], seg.offsets[b]
     size = hi - lo
-    if chunk_bytes is not None or seg.flat_param.device.type == "cpu":
-        size = max(1, (chunk_bytes or CPU_CHUNK_BYTES) // seg.flat_param.element_size())
     first = state.get(seg.params[a]) or {}
+    sized_for = None
+    if chunk_bytes is None and seg.flat_param.device.type == "cpu":
+        sized_for = elementwise_count(first)
+        chunk_bytes = cpu_chunk_bytes(sized_for)
+    if chunk_bytes is not None:
+        size = max(1, chunk_bytes // seg.flat_param.element_size())
     chunks, states, slices = [], [], []
     starts = list(range(lo, hi, size))
     for s in starts:
@@ -113,7 +138,12 @@ def make_run(seg: Segment, a: int, b: int, state: dict, chunk_bytes: Optional[in
         chunks.append(chunk)
         states.append(st)
         slices.append(sl)
-    return Run(seg, a, b, chunks, starts, states, slices, checked=set(first))
+    return Run(seg, a, b, chunks, starts, states, slices, checked=set(first), sized_for=sized_for)
+
+
+def elementwise_count(st: dict) -> int:
+    """Return how many entries of the state dict ``st`` are elementwise (tensors of one or more dimensions)."""
+    return sum(isinstance(v, torch.Tensor) and v.dim() > 0 for v in st.values())
 
 
 def write_run(run: Run, fused_state: dict, state: dict) -> Optional[str]:
@@ -124,6 +154,7 @@ def write_run(run: Run, fused_state: dict, state: dict) -> Optional[str]:
 
     Returns:
         None, or why this optimizer cannot be fused (state that is not elementwise, or changed dtype or device).
+        The caller re-plans when ``run.sized_for`` no longer matches the state (the first step made state).
     """
     seg = run.seg
     params = seg.params[run.a : run.b]
