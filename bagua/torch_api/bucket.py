@@ -91,6 +91,9 @@ class BaguaBucket:
             algorithms that split the bucket into one chunk per rank).
     """
 
+    #: fresh tensors smaller than this (elements) are copied into the flat buffer at once (see defer_restore)
+    MIN_DEFERRED = 1 << 16
+
     def __init__(self, tensors: Sequence[BaguaTensor], name: str, flatten: bool = True, alignment: int = 1) -> None:
         if not tensors:
             raise ValueError(f"bucket {name!r} needs at least one tensor")
@@ -124,6 +127,8 @@ class BaguaBucket:
         self._ops: list[BucketOp] = []
         self.flat: Optional[torch.Tensor] = None
         self._buffer: Optional[torch.Tensor] = None
+        # index -> a fresh effective tensor not yet copied into the flat buffer (see defer_restore)
+        self._pending: dict[int, torch.Tensor] = {}
         if flatten:
             self._flatten_()
 
@@ -142,18 +147,73 @@ class BaguaBucket:
         return self.flat[off : off + t.numel()].view(t.shape)
 
     def check_flatten(self) -> bool:
-        """Whether every effective tensor is still the view of the flat buffer it was given."""
+        """Whether every effective tensor is still the view of the flat buffer it was given (or is a fresh tensor
+        waiting to take its place, see :meth:`defer_restore`)."""
         if self.flat is None:
             return False
         for i, t in enumerate(self.tensors):
             eff = t.bagua_getter_closure()
+            if eff is not None and eff is self._pending.get(i):
+                continue
             if eff is None or eff.data_ptr() != self.view_of(i).data_ptr() or eff.shape != t.shape:
                 return False
         return True
 
     def restore_view(self, index: int) -> None:
         """Make tensor ``index``'s effective tensor the flat buffer's view again, copying its current value in."""
+        self._pending.pop(index, None)
         self.tensors[index].bagua_set_storage(self.view_of(index))
+
+    def accepts_pending(self) -> bool:
+        """Whether the bucket's first operation reads fresh tensors in place (so they need no copy first)."""
+        return self.flat is not None and bool(self._ops) and getattr(self._ops[0], "accepts_pending", False)
+
+    def defer_restore(self, index: int, tensor: torch.Tensor) -> None:
+        """Note that tensor ``index`` now lives in ``tensor`` (a fresh gradient, after ``zero_grad(set_to_none=True)``)
+        instead of its view of the flat buffer, and leave the copy to the first operation.
+
+        An operation with ``accepts_pending = True`` reads such tensors through :meth:`pieces` and writes its result
+        into the flat buffer; the views then become the effective tensors again without any copy. Any other
+        operation sees the values copied into the flat buffer first. This saves a full copy of the bucket per step
+        (about 8 ms for 64 MB on one CPU core).
+        """
+        if tensor.numel() < self.MIN_DEFERRED or not tensor.is_contiguous() or tensor.shape != self.tensors[index].shape:
+            self.restore_view(index)  # small tensors are copied at once: cheaper than reading them piecewise
+            return
+        self._pending[index] = tensor
+
+    def has_pending(self) -> bool:
+        """Whether some tensor awaits its copy into the flat buffer."""
+        return bool(self._pending)
+
+    def pieces(self, start: int, end: int) -> list[torch.Tensor]:
+        """The current values of the flat range ``[start, end)`` as 1-D pieces: the fresh tensors of
+        :meth:`defer_restore` where there are some, the flat buffer (as few slices as possible) elsewhere."""
+        assert self.flat is not None
+        out: list[torch.Tensor] = []
+        pos = start
+        for off, src in sorted((self._offsets[i], t) for i, t in self._pending.items()):
+            a, b = max(pos, off), min(end, off + src.numel())
+            if a >= b:
+                continue
+            if a > pos:
+                out.append(self.flat[pos:a])
+            out.append(src.view(-1)[a - off : b - off])
+            pos = b
+        if pos < end:
+            out.append(self.flat[pos:end])
+        return out
+
+    def materialize_pending(self) -> None:
+        """Copy every fresh tensor into the flat buffer and make the views effective again."""
+        for index in list(self._pending):
+            self.restore_view(index)
+
+    def adopt_pending(self) -> None:
+        """Make the views effective again *without* copying (an operation has written them)."""
+        for index in list(self._pending):
+            del self._pending[index]
+            self.tensors[index].bagua_setter_closure(self.view_of(index))
 
     def flattened_tensor(self) -> torch.Tensor:
         """A new contiguous copy of the bucket's effective tensors (zero padding included)."""
@@ -223,9 +283,14 @@ class BaguaBucket:
     def execute(self) -> None:
         """Run the bucket's operations on its flat tensor (gathering and scattering back when not flattened)."""
         if self.flat is not None and self.check_flatten():
-            for op in self._ops:
+            if self._pending and not self.accepts_pending():
+                self.materialize_pending()
+            for k, op in enumerate(self._ops):
                 op(self, self.flat)
+                if k == 0 and self._pending:
+                    self.adopt_pending()
             return
+        self._pending.clear()
         if self._buffer is None or self._buffer.numel() != self.numel + self.padding:
             self._buffer = torch.zeros(self.numel + self.padding, dtype=self.dtype, device=self.device)
         self._gather_into(self._buffer)

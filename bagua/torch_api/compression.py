@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -45,6 +45,8 @@ __all__ = [
     "encode_chunks",
     "decode_chunks",
     "decode_sum_chunks",
+    "encode_pieces",
+    "pieces_minmax",
     "quantization_error_bound",
 ]
 
@@ -221,29 +223,79 @@ def encode_chunks(
     wire[:, :HEADER_BYTES].copy_(params.header)
     codes = wire[:, HEADER_BYTES:]
     if _blocked(xf):
-        block = min(length, BLOCK)
-        buf = _scratch(work, 2 * block, xf.device)
-        as_int = buf[block:].view(torch.int32)
-        for row, out, s, lo, fast in zip(xf, codes, params.scales, params.lowers, params.fast):
-            for a in range(0, length, BLOCK):
-                b = min(a + BLOCK, length)
-                w, wi = buf[: b - a], as_int[: b - a]
-                torch.mul(row[a:b], s, out=w)
-                if fast:
-                    # round(x*scale) - lower + 2**23 is exact and lies in [2**23, 2**23 + 255]: the low byte of
-                    # its float32 bits is the code, and the int32 -> uint8 cast keeps exactly that byte
-                    w.round_().sub_(lo - _MAGIC)
-                    out[a:b].copy_(w.view(torch.int32))
-                    continue
-                w.round_().sub_(lo).clamp_(0.0, 255.0)
-                # float -> int32 -> uint8 is about twice as fast as torch's direct float -> uint8 cast
-                wi.copy_(w)
-                out[a:b].copy_(wi)
+        buf = _scratch(work, 2 * min(length, BLOCK), xf.device)
+        for i, (row, out) in enumerate(zip(xf, codes)):
+            _encode_blocked(row, out, params, i, buf)
     else:
         w = _scratch(work, n * length, xf.device).view(n, length)
         torch.mul(xf, params.scale, out=w)
         w.round_().sub_(params.lower).clamp_(0.0, 255.0)
         codes.copy_(w)
+
+
+def _encode_blocked(x: torch.Tensor, out: torch.Tensor, params: ChunkParams, row: int, buf: torch.Tensor) -> None:
+    """Encode the 1-D float32 ``x`` (part of chunk ``row``) into the 1-D uint8 ``out``, a cache block at a time
+    (``buf``: float32 scratch of at least ``2 * min(len(x), BLOCK)`` elements)."""
+    length = x.numel()
+    block = min(length, BLOCK)
+    as_int = buf[block : 2 * block].view(torch.int32)
+    s, lo, fast = params.scales[row], params.lowers[row], params.fast[row]
+    for a in range(0, length, BLOCK):
+        b = min(a + BLOCK, length)
+        w, wi = buf[: b - a], as_int[: b - a]
+        torch.mul(x[a:b], s, out=w)
+        if fast:
+            # round(x*scale) - lower + 2**23 is exact and lies in [2**23, 2**23 + 255]: the low byte of
+            # its float32 bits is the code, and the int32 -> uint8 cast keeps exactly that byte
+            w.round_().sub_(lo - _MAGIC)
+            out[a:b].copy_(w.view(torch.int32))
+            continue
+        w.round_().sub_(lo).clamp_(0.0, 255.0)
+        # float -> int32 -> uint8 is about twice as fast as torch's direct float -> uint8 cast
+        wi.copy_(w)
+        out[a:b].copy_(wi)
+
+
+def pieces_minmax(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The ``(2,)`` float32 min and max of the concatenation of the 1-D ``pieces`` (none may be empty).
+
+    Example:
+        >>> pieces_minmax([torch.tensor([1.0, 5.0]), torch.tensor([-2.0])])
+        tensor([-2.,  5.])
+    """
+    parts = [torch.aminmax(p[a : a + BLOCK].float()) for p in pieces for a in range(0, p.numel(), BLOCK)]
+    return torch.stack((torch.stack([m.min for m in parts]).amin(), torch.stack([m.max for m in parts]).amax()))
+
+
+def encode_pieces(
+    pieces: Sequence[torch.Tensor], codes: torch.Tensor, params: ChunkParams, row: int, work: Optional[torch.Tensor]
+) -> None:
+    """Encode the concatenation of the 1-D ``pieces`` into the 1-D uint8 ``codes`` (a slice of a wire row's codes)
+    with the parameters of chunk ``row``: the same codes as :func:`encode_chunks` on the concatenated tensor,
+    without building it (e.g. gradients that live in separate tensors).
+
+    Example:
+        >>> x = torch.randn(1, 6); wire = wire_buffer(1, 6); p = ChunkParams(chunk_minmax(x))
+        >>> encode_chunks(x, wire, params=p)
+        >>> codes = torch.empty(6, dtype=torch.uint8)
+        >>> encode_pieces([x[0, :2], x[0, 2:]], codes, p, 0, None)
+        >>> torch.equal(codes, wire[0, 8:])
+        True
+    """
+    offset = 0
+    for piece in pieces:
+        out = codes[offset : offset + piece.numel()]
+        offset += piece.numel()
+        xf = piece if piece.dtype == torch.float32 else piece.float()
+        if _blocked(xf):
+            _encode_blocked(xf, out, params, row, _scratch(work, 2 * min(xf.numel(), BLOCK), xf.device))
+        else:
+            w = _scratch(work, xf.numel(), xf.device)
+            torch.mul(xf, params.scale[row], out=w)
+            w.round_().sub_(params.lower[row]).clamp_(0.0, 255.0)
+            out.copy_(w)
+    if offset != codes.numel():
+        raise ValueError(f"the pieces hold {offset} elements but codes has {codes.numel()}")
 
 
 def decode_chunks(
@@ -313,8 +365,8 @@ def decode_sum_chunks(
 
     Example:
         >>> wire = wire_buffer(2, 2); encode_chunks(torch.tensor([[0.0, 1.0], [1.0, 0.0]]), wire)
-        >>> out = torch.empty(2); decode_sum_chunks(wire, out); out
-        tensor([1., 1.])
+        >>> out = torch.empty(2); decode_sum_chunks(wire, out); out  # 1 + 0 within half a quantization step
+        tensor([1.0000, 1.0000])
     """
     n = wire.shape[0]
     length = out.numel()

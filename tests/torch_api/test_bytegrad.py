@@ -97,12 +97,18 @@ def test_registered_by_name_and_validated():
 # -- parity ----------------------------------------------------------------------------------------------------
 
 
-def _worker_parity(rank, world_size, hierarchical, error_feedback, small_segments, average=True):
+def _worker_parity(rank, world_size, hierarchical, error_feedback, small_segments, average=True, deferred=False):
     from bagua.torch_api import compression
     from bagua.torch_api.algorithms import bytegrad
+    from bagua.torch_api.bucket import BaguaBucket
 
     if small_segments:  # exercise the pipelined segments and the cache blocks with a tiny model
         bytegrad.SEGMENT, compression.BLOCK = 160, 48
+    read_in_place = []
+    if deferred:  # fresh gradients of every size are read in place, never copied into the bucket first
+        BaguaBucket.MIN_DEFERRED = 1
+        encode_pieces = bytegrad.encode_pieces
+        bytegrad.encode_pieces = lambda *a, **k: read_in_place.append(1) or encode_pieces(*a, **k)
     torch.manual_seed(0)
     model = Net()
     ref_model = copy.deepcopy(model)
@@ -134,24 +140,30 @@ def _worker_parity(rank, world_size, hierarchical, error_feedback, small_segment
                 offset += p.numel()
         ref_opt.step()
 
-        opt.zero_grad()
+        opt.zero_grad()  # set_to_none: every gradient is a fresh tensor, not the bucket's view
         torch.nn.functional.mse_loss(model(x), y).backward()
         grads_equal.append([(p.grad.clone(), ref_params[n].grad.clone()) for n, p in model.named_parameters()])
+        if deferred:  # the views are the gradients again after the step's communication
+            assert all(b.check_flatten() and not b.has_pending() for b in model.bagua_buckets)
+            assert read_in_place or hierarchical or error_feedback  # these two copy into the bucket first
         opt.step()
     return grads_equal, params_of(model), params_of(ref_model), len(layout)
 
 
 @pytest.mark.parametrize(
-    "world_size,hierarchical,error_feedback,small_segments,bucket_size,average",
+    "world_size,hierarchical,error_feedback,small_segments,bucket_size,average,deferred",
     [
-        (2, False, False, True, 1024, True),  # several buckets, several segments per chunk
-        (2, False, True, False, None, False),  # error feedback (residuals carried over steps), sum
-        (4, False, False, False, 2048, True),
-        (4, True, False, True, None, True),  # two nodes of two ranks
-        (4, True, True, False, None, True),
+        (2, False, False, True, 1024, True, False),  # several buckets, several segments per chunk
+        (2, False, False, True, 1024, True, True),  # the same, gradients read in place (no copy into the bucket)
+        (2, False, True, False, None, False, True),  # error feedback (residuals carried over steps), sum
+        (4, False, False, False, 2048, True, True),
+        (4, True, False, True, None, True, True),  # two nodes of two ranks
+        (4, True, True, False, None, True, False),
     ],
 )
-def test_matches_plain_reference(world_size, hierarchical, error_feedback, small_segments, bucket_size, average):
+def test_matches_plain_reference(
+    world_size, hierarchical, error_feedback, small_segments, bucket_size, average, deferred
+):
     env = {"BAGUA_DEFAULT_BUCKET_SIZE": str(bucket_size)} if bucket_size else None
     results = run_workers(
         _worker_parity,
@@ -160,6 +172,7 @@ def test_matches_plain_reference(world_size, hierarchical, error_feedback, small
         error_feedback,
         small_segments,
         average,
+        deferred,
         env=env,
         local_size=2 if hierarchical else None,
     )

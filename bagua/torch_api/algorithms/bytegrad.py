@@ -35,7 +35,7 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,11 +45,14 @@ from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgo
 from bagua.torch_api.bucket import BaguaBucket, BucketOp
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.compression import (
+    HEADER_BYTES,
     ChunkParams,
     chunk_minmax,
     decode_chunks,
     decode_sum_chunks,
     encode_chunks,
+    encode_pieces,
+    pieces_minmax,
     scratch_buffer,
     wire_buffer,
 )
@@ -111,7 +114,11 @@ class Workspace:
 
 
 def low_precision_allreduce_inplace(
-    flat: torch.Tensor, c: BaguaCommunicator, average: bool = True, workspace: Optional[Workspace] = None
+    flat: torch.Tensor,
+    c: BaguaCommunicator,
+    average: bool = True,
+    workspace: Optional[Workspace] = None,
+    source: Optional[Callable[[int, int], list[torch.Tensor]]] = None,
 ) -> None:
     """Average (or sum) ``flat`` over the communicator ``c`` in 8 bits: steps 1-5 of the module docstring.
 
@@ -120,6 +127,9 @@ def low_precision_allreduce_inplace(
         c: the communicator; a non-member or a one-rank communicator leaves ``flat`` unchanged (exact).
         average: divide the sum by the number of ranks.
         workspace: buffers from a previous call (with the residuals of error feedback); a new one otherwise.
+        source: where to read the input instead of ``flat``: ``source(start, end)`` returns the values of the
+            range ``[start, end)`` as 1-D float32 pieces (:meth:`BaguaBucket.pieces`, gradients not yet copied into
+            the bucket). ``flat`` then only receives the result. Not with error feedback, padding or float16.
 
     Example:
         >>> c = bagua.communication._get_default_group().get_global_communicator()  # doctest: +SKIP
@@ -133,6 +143,8 @@ def low_precision_allreduce_inplace(
         raise ValueError(f"workspace was built for {ws.numel} elements on {ws.nranks} ranks, got {flat.numel()} / {n}")
     if ws.staging is None and flat.dtype != torch.float32:
         ws.staging = ws._new_staging(flat.device)
+    if source is not None and (ws.staging is not None or ws.residual is not None):
+        raise ValueError("source= needs a float32 input without padding and without error feedback")
     x = flat.view(-1)
     if ws.staging is not None:
         ws.staging[: ws.numel].copy_(x)
@@ -144,10 +156,19 @@ def low_precision_allreduce_inplace(
     # 1-2: encode every chunk, segment by segment, each segment's all-to-all launched at once
     if ws.residual is not None:
         chunks.add_(ws.residual)
-    params = ChunkParams(chunk_minmax(chunks))  # one header for all the segments of a chunk
+    L = ws.length
+    if source is None:
+        params = ChunkParams(chunk_minmax(chunks))  # one header for all the segments of a chunk
+    else:
+        params = ChunkParams(torch.stack([pieces_minmax(source(i * L, (i + 1) * L)) for i in range(n)]))
     handles = []
     for k, (a, b) in enumerate(ws.segments):
-        encode_chunks(chunks[:, a:b], ws.send[k], ws.work, params=params)
+        if source is None:
+            encode_chunks(chunks[:, a:b], ws.send[k], ws.work, params=params)
+        else:
+            ws.send[k][:, :HEADER_BYTES].copy_(params.header)
+            for i in range(n):
+                encode_pieces(source(i * L + a, i * L + b), ws.send[k][i, HEADER_BYTES:], params, i, ws.work)
         handles.append(dist.all_to_all_single(ws.recv[k].view(-1), ws.send[k].view(-1), group=c.group, async_op=True))
         if ws.residual is not None:  # e = x - D(Q(x)), while the segment travels
             residual = ws.residual[:, a:b]
@@ -229,18 +250,29 @@ def centralized_low_precision_op(
 
     def low_precision_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
         if hierarchical and group.is_hierarchical_possible():
+            bucket.materialize_pending()
             intra = group.get_intra_node_communicator()
             inter = group.get_inter_node_communicator()
             comm.reduce_inplace(flat, 0, ReduceOp.AVG if average else ReduceOp.SUM, intra)
             if inter.is_member() and inter.nranks() > 1:
                 low_precision_allreduce_inplace(flat, inter, average, workspace_for(bucket, flat, inter))
             comm.broadcast(flat, 0, intra)
-            return
-        c = group.get_global_communicator()
-        if c.is_member() and c.nranks() > 1:
-            low_precision_allreduce_inplace(flat, c, average, workspace_for(bucket, flat, c))
+        else:
+            c = group.get_global_communicator()
+            if c.is_member() and c.nranks() > 1:
+                ws = workspace_for(bucket, flat, c)
+                # gradients not yet copied into the bucket are read where they are (no copy of the bucket)
+                direct = bucket.has_pending() and ws.staging is None and ws.residual is None
+                if not direct:
+                    bucket.materialize_pending()
+                low_precision_allreduce_inplace(flat, c, average, ws, source=bucket.pieces if direct else None)
+            else:
+                bucket.materialize_pending()
+        if bucket.padding:
+            flat[bucket.numel :].zero_()  # the padding takes part in min/max: keep it zero, as in the maths
 
     low_precision_op.reset = workspaces.clear  # type: ignore[attr-defined]  (drops buffers and residuals)
+    low_precision_op.accepts_pending = True  # type: ignore[attr-defined]  (see BaguaBucket.defer_restore)
     return low_precision_op
 
 
@@ -295,7 +327,7 @@ def check_finite_after_communication(
             "finite, and 8-bit compression spreads that to its whole chunk on every rank. Lower the learning rate, "
             "clip gradients, or use torch.amp.GradScaler"
             + (", or pass nonfinite='skip' to skip such steps." if algorithm == "ByteGrad" else
-               " (for QAdam: a longer warmup_steps or a larger eps bounds updates of rarely-seen coordinates).")
+               " (for QAdam: a longer warmup_steps gives a better-estimated frozen variance).")
         )
     for t in bagua_ddp._bagua_tensors:  # "skip": the optimizer skips parameters whose gradient is None
         t.param.grad = None
@@ -321,7 +353,7 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         self.average = average
         self.error_feedback = error_feedback
         self.nonfinite = nonfinite
-        self._finite: dict[str, bool] = {}  # bucket name -> its result was finite, filled by the comm thread
+        self._finite: dict[str, bool] = {}  # bucket name -> its result was finite, filled by the comm threads
 
     def init_post_backward_hook(self, bagua_ddp):
         def hook() -> None:
@@ -345,18 +377,11 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
 
     def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
-        if self.error_feedback:
-            bucket.append_op(
-                centralized_low_precision_op(self.process_group, self.hierarchical, self.average, error_feedback=True)
+        bucket.append_op(
+            centralized_low_precision_op(
+                self.process_group, self.hierarchical, self.average, error_feedback=self.error_feedback
             )
-        else:
-            bucket.append_centralized_synchronous_op(
-                hierarchical=self.hierarchical,
-                average=self.average,
-                scattergather=True,
-                compression="MinMaxUInt8",
-                group=self.process_group,
-            )
+        )
         if self.nonfinite != "ignore":
             bucket.append_op(self._record_finite)
 

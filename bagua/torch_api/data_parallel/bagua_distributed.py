@@ -281,8 +281,12 @@ class BaguaDistributedDataParallel:
             eff = bucket.tensors[i].bagua_getter_closure()
             if eff is None or eff.data_ptr() != bucket.view_of(i).data_ptr():
                 # The effective tensor was replaced (e.g. zero_grad(set_to_none=True) then a fresh gradient):
-                # copy it into the bucket and make the bucket's view the effective tensor again, as DDP does.
-                bucket.restore_view(i)
+                # copy it into the bucket and make the bucket's view the effective tensor again, as DDP does;
+                # or, when the bucket's operation reads such tensors in place, let it (no copy at all).
+                if eff is not None and bucket.accepts_pending():
+                    bucket.defer_restore(i, eff)
+                else:
+                    bucket.restore_view(i)
         self._ready[b].add(i)
         self._launch_complete_buckets()
 
