@@ -77,16 +77,28 @@ def ring_neighbours(rank: int, nranks: int) -> tuple[int, int]:
     return (rank - 1) % nranks, (rank + 1) % nranks
 
 
+#: Bytes per point-to-point message of a peer exchange (see :func:`_start_exchange`).
+P2P_SEGMENT = 1 << 20
+
+
 def _start_exchange(
     send: torch.Tensor, received: dict[int, torch.Tensor], c: BaguaCommunicator, tag: int = 0
 ) -> list[Any]:
     """Send ``send`` to every peer in ``received`` (communicator ranks) and receive into ``received[peer]``.
 
     Returns the works to wait on. Every rank must start its exchanges in the same order; ``tag`` tells apart
-    the exchanges of different buckets in flight at the same time.
+    the exchanges of different buckets in flight at the same time. The tensors travel in pieces of
+    :data:`P2P_SEGMENT` bytes, sends and receives interleaved: one 100 MB send each way over a gloo pair often ran
+    half duplex (1.6 s instead of 0.83 s at 1 Gbit/s on the emulated hosts), the interleaved pieces always reach
+    line rate in both directions.
     """
-    ops = [dist.P2POp(dist.isend, send, c.global_rank(p), c.group, tag) for p in received]
-    ops += [dist.P2POp(dist.irecv, buf, c.global_rank(p), c.group, tag) for p, buf in received.items()]
+    flat_send = send.view(-1).view(torch.uint8)
+    flat_recv = {p: buf.view(-1).view(torch.uint8) for p, buf in received.items()}
+    ops = []
+    for a in range(0, max(flat_send.numel(), 1), P2P_SEGMENT):
+        for p in received:
+            ops.append(dist.P2POp(dist.isend, flat_send[a : a + P2P_SEGMENT], c.global_rank(p), c.group, tag))
+            ops.append(dist.P2POp(dist.irecv, flat_recv[p][a : a + P2P_SEGMENT], c.global_rank(p), c.group, tag))
     return dist.batch_isend_irecv(ops)
 
 
