@@ -81,6 +81,19 @@ def grads_for(params, step, seed=100):
     return [torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) for p in params]
 
 
+def step_together(ref, ref_params, others, steps, fresh_ref=False):
+    """Step ``ref`` and every ``(optimizer, params)`` of ``others`` on the same gradients (``fuse_step`` for fused
+    optimizers), once per step number in ``steps``; ``fresh_ref`` gives ``ref`` new gradient tensors each step."""
+    for step in steps:
+        grads = grads_for(ref_params, step)
+        set_grads(ref_params, grads, keep=not fresh_ref)
+        for _, ps in others:
+            set_grads(ps, grads)
+        ref.step()
+        for opt, _ in others:
+            (opt.fuse_step if is_fused_optimizer(opt) else opt.step)()
+
+
 def set_grads(params, grads, keep=True):
     """Write ``grads``; with ``keep`` an existing ``.grad`` is filled in place (``zero_grad(set_to_none=False)``)."""
     for p, g in zip(params, grads):
@@ -184,14 +197,8 @@ def test_state_dict_round_trip():
     refused = fuse_optimizer(OPTIMIZERS["adam"](refused_params))
     with pytest.warns(UserWarning, match="copied into the flat state"):
         refused.load_state_dict(copy.deepcopy(ref.state_dict()))
-        for step in range(STEPS, STEPS + 2):
-            grads = grads_for(ref_params, step)
-            for ps in (ref_params, plain_params, refused_params, fused_params):
-                set_grads(ps, grads)
-            ref.step()
-            plain.step()
-            refused.fuse_step()
-            fused.fuse_step()
+        step_together(ref, ref_params, [(plain, plain_params), (refused, refused_params), (fused, fused_params)],
+                      range(STEPS, STEPS + 2))
     assert_same(ref, plain, ref_params, plain_params)
     assert_same(ref, refused, ref_params, refused_params)
     assert_same(ref, fused, ref_params, fused_params)
@@ -250,12 +257,7 @@ def test_large_segment_automatic_chunks_and_state_dict(monkeypatch, name, chunk_
     make = OPTIMIZERS[name]
     ref_params, fused_params = make_params(shapes=LARGE_SHAPES), make_params(shapes=LARGE_SHAPES)
     ref, fused = make(ref_params), fuse_optimizer(make(fused_params))
-    for step in range(3):
-        grads = grads_for(ref_params, step)
-        set_grads(ref_params, grads, keep=False)
-        set_grads(fused_params, grads)
-        ref.step()
-        fused.fuse_step()
+    step_together(ref, ref_params, [(fused, fused_params)], range(3), fresh_ref=True)
     assert_same(ref, fused, ref_params, fused_params)
     fuser = fused._bagua_fuser
     seg = fuser.layouts[0].segments[0]
@@ -280,14 +282,8 @@ def test_large_segment_automatic_chunks_and_state_dict(monkeypatch, name, chunk_
     refused.load_state_dict(copy.deepcopy(fused.state_dict()))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(3, 5):
-            grads = grads_for(ref_params, step)
-            for ps in (ref_params, plain_params, refused_params, fused_params):
-                set_grads(ps, grads)
-            ref.step()
-            plain.step()
-            refused.fuse_step()
-            fused.fuse_step()
+        step_together(ref, ref_params, [(plain, plain_params), (refused, refused_params), (fused, fused_params)],
+                      range(3, 5))
     assert any("copied into the flat state" in str(w.message) for w in caught)
     for opt, ps in ((plain, plain_params), (refused, refused_params), (fused, fused_params)):
         assert_same(ref, opt, ref_params, ps)
@@ -526,12 +522,7 @@ def test_non_elementwise_state_falls_back_to_plain_step():
     ref_params, fused_params = make_params(), make_params()
     ref, fused = PerTensorNorm(ref_params), fuse_optimizer(PerTensorNorm(fused_params))
     with pytest.warns(UserWarning, match="not elementwise"):
-        for step in range(3):
-            grads = grads_for(ref_params, step)
-            set_grads(ref_params, grads, keep=False)
-            set_grads(fused_params, grads)
-            ref.step()
-            fused.fuse_step()
+        step_together(ref, ref_params, [(fused, fused_params)], range(3), fresh_ref=True)
     assert fused._bagua_fuser.fallback
     # later steps are plain, so from the same point both agree
     with torch.no_grad():
