@@ -174,6 +174,15 @@ def init_process_group(
             # A plain `python train.py`: a one-process job needs no network, so no port is opened.
             store, rank, world_size = dist.HashStore(), 0, 1
             env._export({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"})
+        attempt = env.get_elastic_attempt() if store is None else None
+        if attempt is not None:
+            # torchrun's agent hands every restart the same store, still holding the previous attempt's keys (the
+            # dead workers' gloo addresses): a restarted worker could read a stale address and fail with "Gloo
+            # connectFullMesh failed ... Connection refused", or hang. A prefix per attempt keeps each one apart.
+            client = dist.TCPStore(env.get_master_addr(), env.get_master_port(), env.get_world_size(),
+                                   is_master=False, timeout=timeout)
+            store = dist.PrefixStore(f"bagua/attempt_{attempt}", client)
+            rank, world_size = env.get_rank(), env.get_world_size()
         if store is None:
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
         else:

@@ -213,6 +213,14 @@ def is_launched() -> bool:
     return get_str("RANK") != "" and get_str("WORLD_SIZE") != ""
 
 
+def get_elastic_attempt() -> Optional[int]:
+    """The restart number under torchrun's elastic agent when the workers share the agent's store
+    (``TORCHELASTIC_USE_AGENT_STORE=True``, ``TORCHELASTIC_RESTART_COUNT``); ``None`` otherwise."""
+    if get_str("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    return get_int("TORCHELASTIC_RESTART_COUNT", 0)
+
+
 def find_free_network_port(host: str = "127.0.0.1") -> int:
     """Return a TCP port that was free on ``host`` a moment ago (binds port 0 and closes it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
