@@ -46,6 +46,7 @@ __all__ = [
     "decode_chunks",
     "decode_sum_chunks",
     "encode_pieces",
+    "merge_minmax",
     "pieces_minmax",
     "quantization_error_bound",
 ]
@@ -181,11 +182,7 @@ def chunk_minmax(x: torch.Tensor) -> torch.Tensor:
         return torch.stack((xf.amin(dim=1), xf.amax(dim=1)), dim=1)
     # block by block, one pass each: a full aminmax of a cached block costs about 0.7x amin then amax (but
     # aminmax with dim= or out= takes a path about 10x slower, so the per-block results are stacked instead)
-    rows = []
-    for row in xf:
-        parts = [torch.aminmax(row[a : a + BLOCK]) for a in range(0, length, BLOCK)]
-        rows.append(torch.stack((torch.stack([p.min for p in parts]).amin(), torch.stack([p.max for p in parts]).amax())))
-    return torch.stack(rows)
+    return torch.stack([pieces_minmax([row]) for row in xf])
 
 
 def encode_chunks(
@@ -227,10 +224,16 @@ def encode_chunks(
         for i, (row, out) in enumerate(zip(xf, codes)):
             _encode_blocked(row, out, params, i, buf)
     else:
-        w = _scratch(work, n * length, xf.device).view(n, length)
-        torch.mul(xf, params.scale, out=w)
-        w.round_().sub_(params.lower).clamp_(0.0, 255.0)
-        codes.copy_(w)
+        _encode_whole(xf, codes, params.scale, params.lower, _scratch(work, n * length, xf.device).view(n, length))
+
+
+def _encode_whole(
+    x: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, lower: torch.Tensor, w: torch.Tensor
+) -> None:
+    """The encoding formula as whole-tensor operations (devices other than CPU); ``w``: float32 scratch like ``x``."""
+    torch.mul(x, scale, out=w)
+    w.round_().sub_(lower).clamp_(0.0, 255.0)
+    out.copy_(w)
 
 
 def _encode_blocked(x: torch.Tensor, out: torch.Tensor, params: ChunkParams, row: int, buf: torch.Tensor) -> None:
@@ -263,8 +266,18 @@ def pieces_minmax(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
         >>> pieces_minmax([torch.tensor([1.0, 5.0]), torch.tensor([-2.0])])
         tensor([-2.,  5.])
     """
-    parts = [torch.aminmax(p[a : a + BLOCK].float()) for p in pieces for a in range(0, p.numel(), BLOCK)]
-    return torch.stack((torch.stack([m.min for m in parts]).amin(), torch.stack([m.max for m in parts]).amax()))
+    return merge_minmax([torch.aminmax(p[a : a + BLOCK].float()) for p in pieces for a in range(0, p.numel(), BLOCK)])
+
+
+def merge_minmax(parts: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The ``(2,)`` float32 min and max over the ``(min, max)`` pairs of ``parts`` (e.g. ``torch.aminmax`` results
+    of the blocks of a chunk); at least one part.
+
+    Example:
+        >>> merge_minmax([torch.aminmax(torch.tensor([1.0, 5.0])), torch.aminmax(torch.tensor([-2.0]))])
+        tensor([-2.,  5.])
+    """
+    return torch.stack((torch.stack([p[0] for p in parts]).amin(), torch.stack([p[1] for p in parts]).amax()))
 
 
 def encode_pieces(
@@ -290,10 +303,7 @@ def encode_pieces(
         if _blocked(xf):
             _encode_blocked(xf, out, params, row, _scratch(work, 2 * min(xf.numel(), BLOCK), xf.device))
         else:
-            w = _scratch(work, xf.numel(), xf.device)
-            torch.mul(xf, params.scale[row], out=w)
-            w.round_().sub_(params.lower[row]).clamp_(0.0, 255.0)
-            out.copy_(w)
+            _encode_whole(xf, out, params.scale[row], params.lower[row], _scratch(work, xf.numel(), xf.device))
     if offset != codes.numel():
         raise ValueError(f"the pieces hold {offset} elements but codes has {codes.numel()}")
 

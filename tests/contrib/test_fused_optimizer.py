@@ -171,12 +171,7 @@ def test_mixed_dtypes_make_one_segment_each():
     ref = torch.optim.Adam(ref_params, lr=1e-2)
     fused = fuse_optimizer(torch.optim.Adam(fused_params, lr=1e-2))
     assert len(fused._bagua_fuser.layouts[0].segments) == 3
-    for step in range(STEPS):
-        grads = grads_for(ref_params, step)
-        set_grads(ref_params, grads, keep=False)
-        set_grads(fused_params, grads)
-        ref.step()
-        fused.fuse_step()
+    step_together(ref, ref_params, [(fused, fused_params)], range(STEPS), fresh_ref=True)
     assert_same(ref, fused, ref_params, fused_params)
 
 
@@ -395,12 +390,7 @@ def test_do_flatten_false_fuses_what_is_contiguous():
     ref = OPTIMIZERS["sgd_momentum"](ref_params)
     fused = fuse_optimizer(OPTIMIZERS["sgd_momentum"](fused_params), do_flatten=False)
     before = fused_params[0].data_ptr()
-    for step in range(STEPS):
-        grads = grads_for(ref_params, step)
-        set_grads(ref_params, grads, keep=False)
-        set_grads(fused_params, grads)
-        ref.step()
-        fused.fuse_step()
+    step_together(ref, ref_params, [(fused, fused_params)], range(STEPS), fresh_ref=True)
     assert_same(ref, fused, ref_params, fused_params)
     assert fused_params[0].data_ptr() == before  # nothing was moved
     segs = fused._bagua_fuser.layouts[0].segments
@@ -488,12 +478,7 @@ def test_half_precision_parameters(dtype, name):
         pytest.skip("fp16 Adam with eps=1e-8 divides 0 by 0 (eps underflows), fused or not")
     ref_params, fused_params = make_params(dtype=dtype), make_params(dtype=dtype)
     ref, fused = OPTIMIZERS[name](ref_params), fuse_optimizer(OPTIMIZERS[name](fused_params))
-    for step in range(STEPS):
-        grads = grads_for(ref_params, step)
-        set_grads(ref_params, grads, keep=False)
-        set_grads(fused_params, grads)
-        ref.step()
-        fused.fuse_step()
+    step_together(ref, ref_params, [(fused, fused_params)], range(STEPS), fresh_ref=True)
     exact = total = 0
     for a, b in zip(ref_params, fused_params):
         tol = dict(rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)

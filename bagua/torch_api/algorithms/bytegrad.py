@@ -52,6 +52,7 @@ from bagua.torch_api.compression import (
     decode_sum_chunks,
     encode_chunks,
     encode_pieces,
+    merge_minmax,
     pieces_minmax,
     scratch_buffer,
     wire_buffer,
@@ -192,12 +193,7 @@ def low_precision_allreduce_inplace(
             bounds.append(torch.aminmax(segment))
 
     # 4: encode chunk r, all-gather it segment by segment
-    own_params = ChunkParams(
-        torch.stack((torch.stack([m.min for m in bounds]).amin(), torch.stack([m.max for m in bounds]).amax()))
-        .view(1, 2)
-        if bounds
-        else chunk_minmax(own.view(1, -1))
-    )
+    own_params = ChunkParams(merge_minmax(bounds).view(1, 2) if bounds else chunk_minmax(own.view(1, -1)))
     handles = []
     for k, (a, b) in enumerate(ws.segments):
         encode_chunks(own[a:b].view(1, -1), ws.mine[k], ws.work, params=own_params)
