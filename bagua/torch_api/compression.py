@@ -143,6 +143,23 @@ class ChunkParams:
         """The parameters of the chunks encoded in ``wire`` (read from its headers)."""
         return cls(_header(wire))
 
+    def decodes_finite(self) -> bool:
+        """Whether every value these chunks decode to is finite, without reading the codes.
+
+        A decoded value is ``(q + lower) / scale`` with ``0 <= q <= 255``, monotonic in ``q`` (float32 rounding
+        keeps it so), so the values of ``q = 0`` and ``q = 255`` bound every other: the answer is exact for the 256
+        codes. ``False`` may still come with finite data when only a code that no element uses overflows (a range
+        next to the float32 limits): check the values themselves then.
+
+        Example:
+            >>> ChunkParams(torch.tensor([[-1.0, 1.0]])).decodes_finite()
+            True
+            >>> ChunkParams(torch.tensor([[-1.0, float("nan")]])).decodes_finite()
+            False
+        """
+        ends = torch.cat(((self.lower + 0.0) / self.scale, (self.lower + 255.0) / self.scale), dim=1)
+        return bool(torch.isfinite(ends).all())
+
     @property
     def fast(self) -> list[bool]:
         """Per chunk, whether the encoder may skip its clamp (see :func:`_unclamped_rows`)."""

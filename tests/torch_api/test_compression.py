@@ -175,6 +175,21 @@ def test_empty_chunks_and_wrong_wire_shape():
         codec.decode_chunks(torch.zeros(2, 18, dtype=torch.float32), torch.empty(2, 10))
 
 
+def test_decodes_finite_matches_decoding_every_code():
+    # headers from ordinary ranges to ranges at the float32 limits, where scale is 0 or a decoded end overflows
+    big = torch.finfo(torch.float32).max
+    rows = [(-1.0, 1.0), (0.0, 0.0), (5.0, 5.0), (-1e-30, 1e-30), (1e30, 2e30), (-big, -big / 2), (-big / 2, big / 2),
+            (-big, big), (big / 2, big), (-big, 0.0), (0.0, float("inf")), (float("nan"), 1.0), (-float("inf"), 0.0)]
+    codes = torch.arange(256, dtype=torch.float32)
+    for mn, mx in rows:
+        params = codec.ChunkParams(torch.tensor([[mn, mx]]))
+        # every value a code can decode to, by the plain formula
+        every = (codes + params.lower) / params.scale
+        assert params.decodes_finite() == bool(torch.isfinite(every).all()), (mn, mx)
+    mixed = codec.ChunkParams(torch.tensor([[-1.0, 1.0], [-big, big]]))
+    assert not mixed.decodes_finite()  # one bad chunk is enough
+
+
 @pytest.mark.gpu
 def test_cuda_gives_the_same_codes_as_cpu():
     torch.manual_seed(7)

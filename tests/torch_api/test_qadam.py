@@ -261,3 +261,34 @@ def test_coordinates_without_gradient_during_warmup_stay_bounded_and_converge():
     print(f"loss when the feature appears {losses[20]:.4f}, final QAdam {final:.4f}, Adam {adam_final:.4f}")
     assert final < 0.05 * losses[20], (final, losses[20])
     assert final < 2 * adam_final + 0.01, (final, adam_final)
+
+
+def _worker_nonfinite_after_warmup(rank, world_size):
+    from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 8)
+    opt = QAdamOptimizer(model.parameters(), lr=1e-3, warmup_steps=2)
+    model.with_bagua([opt], QAdamAlgorithm(opt, hierarchical=False))
+    outcomes = []
+    for step in range(4):
+        x = torch.randn(4, 64)
+        if step == 3 and rank == 1:
+            x[0, 3] = float("nan")  # one bad input on one rank only, in the compressed stage
+        opt.zero_grad()
+        try:
+            model(x).square().sum().backward()
+        except FloatingPointError as exc:
+            outcomes.append("raised: " + str(exc))
+            break
+        opt.step()
+        outcomes.append("ok")
+    return outcomes
+
+
+def test_nonfinite_momentum_in_the_compressed_stage_raises_on_every_rank():
+    # the 8-bit average spreads one rank's NaN over its chunk on every rank: the verdict (read from the chunks'
+    # headers on the communication thread) must be the same everywhere, and must not fire on finite steps
+    for outcomes in run_workers(_worker_nonfinite_after_warmup, 2):
+        assert outcomes[:3] == ["ok"] * 3, outcomes
+        assert len(outcomes) == 4 and outcomes[3].startswith("raised:") and "QAdam" in outcomes[3], outcomes

@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -120,8 +121,13 @@ def low_precision_allreduce_inplace(
     average: bool = True,
     workspace: Optional[Workspace] = None,
     source: Optional[Callable[[int, int], list[torch.Tensor]]] = None,
-) -> None:
+    tag: int = 0,
+) -> Optional[bool]:
     """Average (or sum) ``flat`` over the communicator ``c`` in 8 bits: steps 1-5 of the module docstring.
+
+    Step 2 sends each chunk to its owner point to point, the peers' chunks first: the first segment leaves as
+    soon as the min/max of the chunks that travel are known, and the rank's own chunk is encoded (and its min/max
+    read) while the wire is busy.
 
     Args:
         flat: a 1-D float tensor, the same size on every rank; overwritten with the result.
@@ -131,13 +137,18 @@ def low_precision_allreduce_inplace(
         source: where to read the input instead of ``flat``: ``source(start, end)`` returns the values of the
             range ``[start, end)`` as 1-D float32 pieces (:meth:`BaguaBucket.pieces`, gradients not yet copied into
             the bucket). ``flat`` then only receives the result. Not with error feedback, padding or float16.
+        tag: the point-to-point tag of step 2 (calls in flight at the same time on one group need different tags).
+
+    Returns:
+        Whether every value written to ``flat`` is finite, read from the chunks' headers (an exact element-wise
+        test only when a header is not finite); ``None`` when nothing was communicated.
 
     Example:
         >>> c = bagua.communication._get_default_group().get_global_communicator()  # doctest: +SKIP
         >>> low_precision_allreduce_inplace(torch.randn(1000), c)  # doctest: +SKIP
     """
     if c.group is None or c.nranks() == 1:
-        return
+        return None
     n, r = c.nranks(), c.rank()
     ws = workspace or Workspace(flat.numel(), n, flat.device)
     if ws.numel != flat.numel() or ws.nranks != n:
@@ -154,26 +165,47 @@ def low_precision_allreduce_inplace(
     chunks = x.view(n, ws.length)
     own = chunks[r]
 
-    # 1-2: encode every chunk, segment by segment, each segment's all-to-all launched at once
+    # 1-2: the chunks of the peers first, each segment sent as soon as it is encoded; the rank's own chunk
+    # (which never travels) is encoded while they are on the wire
     if ws.residual is not None:
         chunks.add_(ws.residual)
     L = ws.length
-    if source is None:
-        params = ChunkParams(chunk_minmax(chunks))  # one header for all the segments of a chunk
-    else:
-        params = ChunkParams(torch.stack([pieces_minmax(source(i * L, (i + 1) * L)) for i in range(n)]))
-    handles = []
-    for k, (a, b) in enumerate(ws.segments):
+    peers = [(r + d) % n for d in range(1, n)]
+
+    def row_params(j: int) -> ChunkParams:
+        # one header for all the segments of a chunk
+        mm = chunk_minmax(chunks[j : j + 1])[0] if source is None else pieces_minmax(source(j * L, (j + 1) * L))
+        return ChunkParams(mm.view(1, 2))
+
+    def encode_row(j: int, k: int, p: ChunkParams) -> None:
+        a, b = ws.segments[k]
+        wire = ws.send[k][j : j + 1]
         if source is None:
-            encode_chunks(chunks[:, a:b], ws.send[k], ws.work, params=params)
+            encode_chunks(chunks[j : j + 1, a:b], wire, ws.work, params=p)
         else:
-            ws.send[k][:, :HEADER_BYTES].copy_(params.header)
-            for i in range(n):
-                encode_pieces(source(i * L + a, i * L + b), ws.send[k][i, HEADER_BYTES:], params, i, ws.work)
-        handles.append(dist.all_to_all_single(ws.recv[k].view(-1), ws.send[k].view(-1), group=c.group, async_op=True))
-        if ws.residual is not None:  # e = x - D(Q(x)), while the segment travels
+            wire[:, :HEADER_BYTES].copy_(p.header)
+            encode_pieces(source(j * L + a, j * L + b), wire[0, HEADER_BYTES:], p, 0, ws.work)
+
+    # every receive is posted first: a gloo send waits for the receiver's "ready" message, which must not queue
+    # behind the receiver's own outgoing data (the link then runs at half its rate)
+    handles = [
+        [dist.irecv(ws.recv[k][j], c.global_rank(j), group=c.group, tag=tag) for j in peers]
+        for k in range(len(ws.segments))
+    ]
+    params = {j: row_params(j) for j in peers}
+    for k in range(len(ws.segments)):
+        for j in peers:
+            encode_row(j, k, params[j])
+            handles[k].append(dist.isend(ws.send[k][j], c.global_rank(j), group=c.group, tag=tag))
+    params[r] = row_params(r)
+    for k in range(len(ws.segments)):
+        encode_row(r, k, params[r])
+        ws.recv[k][r].copy_(ws.send[k][r])
+    if ws.residual is not None:  # e = x - D(Q(x)), while the segments travel
+        every = ChunkParams(torch.cat([params[j].minmax for j in range(n)]))
+        for k, (a, b) in enumerate(ws.segments):
             residual = ws.residual[:, a:b]
-            decode_chunks(ws.send[k], residual, params=params)
+            decode_chunks(ws.send[k], residual, params=every)
             torch.sub(chunks[:, a:b], residual, out=residual)
 
     # 3: decode the n copies of chunk r and add them in rank order; each segment is averaged and its min/max
@@ -181,7 +213,8 @@ def low_precision_allreduce_inplace(
     bounds = []
     received = None  # every segment of a chunk carries the chunk's header: read the headers once
     for k, (a, b) in enumerate(ws.segments):
-        handles[k].wait()
+        for work in handles[k]:
+            work.wait()
         segment = own[a:b]
         received = received or ChunkParams.of_wire(ws.recv[k])
         decode_sum_chunks(ws.recv[k], segment, ws.work, params=received)
@@ -211,10 +244,20 @@ def low_precision_allreduce_inplace(
         decode_chunks(ws.recv[k], chunks[:, a:b], params=gathered)
     if ws.staging is not None:
         flat.view(-1).copy_(x[: ws.numel])
+    return (gathered is not None and gathered.decodes_finite()) or all_finite(flat)
+
+
+def bucket_tag(bucket: BaguaBucket) -> int:
+    """A point-to-point tag of the bucket, the same on every rank (buckets are named alike everywhere)."""
+    return zlib.crc32(bucket.name.encode()) & 0x7FFFFFFF
 
 
 def centralized_low_precision_op(
-    group: BaguaProcessGroup, hierarchical: bool = False, average: bool = True, error_feedback: bool = False
+    group: BaguaProcessGroup,
+    hierarchical: bool = False,
+    average: bool = True,
+    error_feedback: bool = False,
+    on_finite: Optional[Callable[[str, bool], None]] = None,
 ) -> BucketOp:
     """Return the bucket operation ``op(bucket, flat)`` of ByteGrad (and of QAdam's compressed stage).
 
@@ -228,6 +271,9 @@ def centralized_low_precision_op(
         hierarchical: communicate hierarchically when the group's layout allows it.
         average: average (True) or sum (False).
         error_feedback: carry each rank's quantization error to the next step (see the module docstring).
+        on_finite: called as ``on_finite(bucket.name, finite)`` after each run, ``finite`` telling whether the
+            bucket's result holds only finite values (read from the 8-bit headers where possible, see
+            :meth:`~bagua.torch_api.compression.ChunkParams.decodes_finite`).
 
     Example:
         >>> bucket.append_op(centralized_low_precision_op(group, hierarchical=False))  # doctest: +SKIP
@@ -245,13 +291,16 @@ def centralized_low_precision_op(
         return ws
 
     def low_precision_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
+        finite: Optional[bool] = None
         if hierarchical and group.is_hierarchical_possible():
             bucket.materialize_pending()
             intra = group.get_intra_node_communicator()
             inter = group.get_inter_node_communicator()
             comm.reduce_inplace(flat, 0, ReduceOp.AVG if average else ReduceOp.SUM, intra)
             if inter.is_member() and inter.nranks() > 1:
-                low_precision_allreduce_inplace(flat, inter, average, workspace_for(bucket, flat, inter))
+                low_precision_allreduce_inplace(
+                    flat, inter, average, workspace_for(bucket, flat, inter), tag=bucket_tag(bucket)
+                )
             comm.broadcast(flat, 0, intra)
         else:
             c = group.get_global_communicator()
@@ -261,11 +310,15 @@ def centralized_low_precision_op(
                 direct = bucket.has_pending() and ws.staging is None and ws.residual is None
                 if not direct:
                     bucket.materialize_pending()
-                low_precision_allreduce_inplace(flat, c, average, ws, source=bucket.pieces if direct else None)
+                finite = low_precision_allreduce_inplace(
+                    flat, c, average, ws, source=bucket.pieces if direct else None, tag=bucket_tag(bucket)
+                )
             else:
                 bucket.materialize_pending()
         if bucket.padding:
             flat[bucket.numel :].zero_()  # the padding takes part in min/max: keep it zero, as in the maths
+        if on_finite is not None:
+            on_finite(bucket.name, all_finite(flat) if finite is None else finite)
 
     low_precision_op.reset = workspaces.clear  # type: ignore[attr-defined]  (drops buffers and residuals)
     low_precision_op.accepts_pending = True  # type: ignore[attr-defined]  (see BaguaBucket.defer_restore)
@@ -360,9 +413,9 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
 
         return hook
 
-    def _record_finite(self, bucket: BaguaBucket, flat: torch.Tensor) -> None:
+    def _record_finite(self, name: str, finite: bool) -> None:
         # runs on the communication thread right after the bucket's allreduce, while later buckets travel
-        self._finite[bucket.name] = all_finite(flat)
+        self._finite[name] = finite
 
     def tensors_to_buckets(self, tensors, do_flatten: bool) -> list[BaguaBucket]:
         # padded to the group size so that every bucket splits into one equal chunk per rank
@@ -375,11 +428,13 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         bucket.clear_ops()
         bucket.append_op(
             centralized_low_precision_op(
-                self.process_group, self.hierarchical, self.average, error_feedback=self.error_feedback
+                self.process_group,
+                self.hierarchical,
+                self.average,
+                error_feedback=self.error_feedback,
+                on_finite=None if self.nonfinite == "ignore" else self._record_finite,
             )
         )
-        if self.nonfinite != "ignore":
-            bucket.append_op(self._record_finite)
 
 
 @GlobalAlgorithmRegistry.register("bytegrad", description="gradients averaged in 8 bits (MinMaxUInt8 scatter-gather)")
