@@ -223,6 +223,29 @@ def test_unflattened_odd_sized_and_half_precision_buckets():
             assert_close(got, expected, rtol=0, atol=0)
 
 
+def _worker_grouped_sends(rank, world_size):
+    from bagua.torch_api import communication
+    from bagua.torch_api.algorithms import bytegrad
+
+    bytegrad.SEGMENT = 100  # several segments per chunk
+    c = communication._get_default_group().get_global_communicator()
+    g = torch.randn(world_size * 1000, generator=torch.Generator().manual_seed(rank))
+    eager, grouped = g.clone(), g.clone()
+    assert bytegrad._post_receives_first(c.group)  # gloo
+    bytegrad.low_precision_allreduce_inplace(eager, c)
+    bytegrad._post_receives_first = lambda group: False  # the NCCL order: each segment's sends and receives grouped
+    bytegrad.low_precision_allreduce_inplace(grouped, c)
+    return eager, grouped
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_grouped_sends_of_nccl_give_the_same_result(world_size):
+    results = run_workers(_worker_grouped_sends, world_size)
+    for eager, grouped in results:
+        assert_close(grouped, eager, rtol=0, atol=0)
+        assert_close(eager, results[0][0], rtol=0, atol=0)
+
+
 # -- error feedback --------------------------------------------------------------------------------------------
 
 

@@ -115,6 +115,18 @@ class Workspace:
         return torch.zeros(self.nranks * self.length, dtype=torch.float32, device=device)
 
 
+def _post_receives_first(group) -> bool:
+    """Whether step 2 posts every receive before its first send (gloo), or sends and receives each segment as one
+    group (NCCL and others).
+
+    A gloo send waits for the receiver's "ready" message; posted late, that message queues behind the receiver's
+    own outgoing data and the exchange runs at half the link's rate. NCCL runs a pair's operations in order on
+    one stream, so a receive posted ahead of the matching send would block it: there each segment's sends and
+    receives go together through ``batch_isend_irecv``.
+    """
+    return dist.get_backend(group) == "gloo"
+
+
 def low_precision_allreduce_inplace(
     flat: torch.Tensor,
     c: BaguaCommunicator,
@@ -186,17 +198,21 @@ def low_precision_allreduce_inplace(
             wire[:, :HEADER_BYTES].copy_(p.header)
             encode_pieces(source(j * L + a, j * L + b), wire[0, HEADER_BYTES:], p, 0, ws.work)
 
-    # every receive is posted first: a gloo send waits for the receiver's "ready" message, which must not queue
-    # behind the receiver's own outgoing data (the link then runs at half its rate)
-    handles = [
-        [dist.irecv(ws.recv[k][j], c.global_rank(j), group=c.group, tag=tag) for j in peers]
+    receives_first = _post_receives_first(c.group)
+    handles: list[list] = [
+        [dist.irecv(ws.recv[k][j], c.global_rank(j), group=c.group, tag=tag) for j in peers] if receives_first else []
         for k in range(len(ws.segments))
     ]
     params = {j: row_params(j) for j in peers}
     for k in range(len(ws.segments)):
         for j in peers:
             encode_row(j, k, params[j])
-            handles[k].append(dist.isend(ws.send[k][j], c.global_rank(j), group=c.group, tag=tag))
+        if receives_first:
+            handles[k] += [dist.isend(ws.send[k][j], c.global_rank(j), group=c.group, tag=tag) for j in peers]
+        else:  # each segment's sends and receives in one group, in the same order on every rank
+            ops = [dist.P2POp(dist.isend, ws.send[k][j], c.global_rank(j), c.group, tag) for j in peers]
+            ops += [dist.P2POp(dist.irecv, ws.recv[k][j], c.global_rank(j), c.group, tag) for j in peers]
+            handles[k] += dist.batch_isend_irecv(ops)
     params[r] = row_params(r)
     for k in range(len(ws.segments)):
         encode_row(r, k, params[r])
