@@ -98,15 +98,15 @@ def test_integer_tensor_in_a_bucket_is_rejected():
         BaguaBucket([t], "0")
 
 
-def _worker_timeout(rank, world_size):
+def _worker_timeout(rank, world_size, algorithm="gradient_allreduce"):
     """Rank 1 never joins the step: rank 0's backward must fail with a timeout naming the bucket, not hang."""
     import time
 
-    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+    from bagua.torch_api.algorithms import Algorithm
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model.with_bagua([opt], GradientAllReduceAlgorithm())
+    model.with_bagua([opt], Algorithm.init(algorithm, hierarchical=False))
     if rank == 1:
         time.sleep(8)  # a stuck peer
         return "stuck"
@@ -118,7 +118,8 @@ def _worker_timeout(rank, world_size):
     return "no error"
 
 
-def test_dead_peer_times_out_with_a_clear_error():
-    message, _ = run_workers(_worker_timeout, 2, env={"BAGUA_COMM_TIMEOUT_S": "3"}, timeout=60)
+@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad"])  # collectives; point-to-point sends
+def test_dead_peer_times_out_with_a_clear_error(algorithm):
+    message, _ = run_workers(_worker_timeout, 2, algorithm, env={"BAGUA_COMM_TIMEOUT_S": "3"}, timeout=60)
     assert "rank 0" in message and "bucket '0'" in message, message
     assert "BAGUA_COMM_TIMEOUT_S" in message or "timed out" in message.lower() or "Timed out" in message, message
