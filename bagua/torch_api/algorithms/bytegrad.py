@@ -5,15 +5,15 @@ Bagua paper: https://arxiv.org/abs/2107.01499. With ``n`` ranks in the communica
 
 1. split the flat bucket into ``n`` chunks and encode each with its own min/max
    (:mod:`bagua.torch_api.compression`);
-2. all-to-all: rank ``r`` receives every rank's encoded chunk ``r`` (its own included);
+2. all-to-all, point to point: rank ``r`` receives every rank's encoded chunk ``r`` (its own never travels);
 3. decode them and add them in rank order in float32, then divide by ``n`` (``average=True``);
 4. encode the reduced chunk ``r`` and all-gather the encoded chunks;
 5. decode all ``n`` chunks into the bucket.
 
 Every element is therefore quantized twice, and every rank ends with the same bytes, hence the same gradient.
-Each chunk travels as segments of at most :data:`SEGMENT` elements, each a collective of its own launched as
-soon as it is encoded (every segment repeats its chunk's min/max header, so the codes are exactly those of the
-whole chunk): encoding, the network and decoding overlap. Hierarchical (a group spanning several nodes of
+Each chunk travels as segments of at most :data:`SEGMENT` elements, each sent as soon as it is encoded (every
+segment repeats its chunk's min/max header, so the codes are exactly those of the whole chunk): encoding, the
+network and decoding overlap; the chunks that travel are encoded before the rank's own. Hierarchical (a group spanning several nodes of
 several ranks): a float32 intra-node reduce (average) to each node's leader, the steps above among the leaders,
 an intra-node broadcast.
 
