@@ -157,7 +157,7 @@ class ChunkParams:
             >>> ChunkParams(torch.tensor([[-1.0, float("nan")]])).decodes_finite()
             False
         """
-        ends = torch.cat(((self.lower + 0.0) / self.scale, (self.lower + 255.0) / self.scale), dim=1)
+        ends = torch.cat((self.lower / self.scale, (self.lower + 255.0) / self.scale), dim=1)
         return bool(torch.isfinite(ends).all())
 
     @property

@@ -13,9 +13,9 @@ Bagua paper: https://arxiv.org/abs/2107.01499. With ``n`` ranks in the communica
 Every element is therefore quantized twice, and every rank ends with the same bytes, hence the same gradient.
 Each chunk travels as segments of at most :data:`SEGMENT` elements, each sent as soon as it is encoded (every
 segment repeats its chunk's min/max header, so the codes are exactly those of the whole chunk): encoding, the
-network and decoding overlap; the chunks that travel are encoded before the rank's own. Hierarchical (a group spanning several nodes of
-several ranks): a float32 intra-node reduce (average) to each node's leader, the steps above among the leaders,
-an intra-node broadcast.
+network and decoding overlap; the chunks that travel are encoded before the rank's own. Hierarchical (a group
+spanning several nodes of several ranks): a float32 intra-node reduce (average) to each node's leader, the steps
+above among the leaders, an intra-node broadcast.
 
 Error feedback (``error_feedback=True``, after EF-SGD, https://arxiv.org/abs/1901.09847, and its two-sided
 form DoubleSqueeze, https://arxiv.org/abs/1905.05957): each rank keeps ``e`` (one value per bucket element) and
@@ -68,6 +68,7 @@ __all__ = [
     "low_precision_allreduce_inplace",
     "centralized_low_precision_op",
     "all_finite",
+    "FiniteVerdicts",
 ]
 
 #: Elements of a chunk sent per collective; larger chunks are sent in several pipelined segments.
@@ -344,6 +345,30 @@ def centralized_low_precision_op(
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 
 
+class FiniteVerdicts:
+    """The NaN/Inf verdicts of one step's buckets: recorded on the communication thread as each bucket finishes
+    (``on_finite`` of :func:`centralized_low_precision_op`), taken by the post-backward hook for
+    :func:`check_finite_after_communication`.
+
+    Example:
+        >>> verdicts = FiniteVerdicts(); verdicts.record("0", True)
+        >>> verdicts.take(), verdicts.take()
+        ({'0': True}, {})
+    """
+
+    def __init__(self) -> None:
+        self._by_bucket: dict[str, bool] = {}
+
+    def record(self, name: str, finite: bool) -> None:
+        """Note bucket ``name``'s verdict."""
+        self._by_bucket[name] = finite
+
+    def take(self) -> dict[str, bool]:
+        """The verdicts recorded since the last call (bucket name -> finite), forgetting them."""
+        taken, self._by_bucket = self._by_bucket, {}
+        return taken
+
+
 def all_finite(t: torch.Tensor) -> bool:
     """Whether every element of ``t`` is finite, in one read-only pass when it is.
 
@@ -371,7 +396,7 @@ def check_finite_after_communication(
     here and act alike (no rank is left waiting): ``"raise"`` raises ``FloatingPointError``, ``"skip"`` drops
     every gradient of the step (the optimizer then skips every parameter), ``"ignore"`` does nothing.
     ``known`` maps bucket names to a verdict already reached (on the communication thread, see
-    :class:`ByteGradAlgorithmImpl`); the other buckets are checked here.
+    :class:`FiniteVerdicts`); the other buckets are checked here.
     """
     if policy == "ignore":
         return True
@@ -418,20 +443,15 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         self.average = average
         self.error_feedback = error_feedback
         self.nonfinite = nonfinite
-        self._finite: dict[str, bool] = {}  # bucket name -> its result was finite, filled by the comm threads
+        self._verdicts = FiniteVerdicts()
 
     def init_post_backward_hook(self, bagua_ddp):
         def hook() -> None:
             bagua_ddp.launch_remaining_buckets()
             bagua_ddp.wait_pending_comm_ops()
-            known, self._finite = self._finite, {}
-            check_finite_after_communication(bagua_ddp, self.nonfinite, "ByteGrad", known)
+            check_finite_after_communication(bagua_ddp, self.nonfinite, "ByteGrad", self._verdicts.take())
 
         return hook
-
-    def _record_finite(self, name: str, finite: bool) -> None:
-        # runs on the communication thread right after the bucket's allreduce, while later buckets travel
-        self._finite[name] = finite
 
     def tensors_to_buckets(self, tensors, do_flatten: bool) -> list[BaguaBucket]:
         # padded to the group size so that every bucket splits into one equal chunk per rank
@@ -448,7 +468,7 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
                 self.hierarchical,
                 self.average,
                 error_feedback=self.error_feedback,
-                on_finite=None if self.nonfinite == "ignore" else self._record_finite,
+                on_finite=None if self.nonfinite == "ignore" else self._verdicts.record,
             )
         )
 

@@ -49,6 +49,11 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from bagua.torch_api.algorithms.bytegrad import (
+    FiniteVerdicts,
+    centralized_low_precision_op,
+    check_finite_after_communication,
+)
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
@@ -176,7 +181,7 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
         self._group_of: dict[int, dict] = {
             id(p): group for group in q_adam_optimizer.param_groups for p in group["params"]
         }
-        self._finite: dict[str, bool] = {}  # bucket name -> its 8-bit result was finite, from the comm thread
+        self._verdicts = FiniteVerdicts()  # NaN/Inf of the compressed momenta, per bucket, from the comm thread
 
     @property
     def optimizer_step_id(self) -> int:
@@ -214,12 +219,10 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
         return tensors
 
     def init_post_backward_hook(self, bagua_ddp):
-        from bagua.torch_api.algorithms.bytegrad import check_finite_after_communication
-
         def hook() -> None:
             bagua_ddp.launch_remaining_buckets()
             bagua_ddp.wait_pending_comm_ops()
-            known, self._finite = self._finite, {}
+            known = self._verdicts.take()
             if self.compressing:  # a NaN momentum in 8 bits poisons its whole chunk on every rank: fail loudly
                 check_finite_after_communication(bagua_ddp, "raise", "QAdam", known)
 
@@ -243,16 +246,13 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
         if not self.compressing:
             bucket.append_centralized_synchronous_op(hierarchical=False, average=True, group=self.process_group)
             return
-        from bagua.torch_api.algorithms.bytegrad import centralized_low_precision_op
-
         bucket.append_op(self._momentum_op)
         # the 8-bit average of the momenta; its verdict on NaN/Inf comes from the chunks' headers, on the comm thread
         bucket.append_op(
-            centralized_low_precision_op(self.process_group, self.hierarchical, average=True, on_finite=self._record)
+            centralized_low_precision_op(
+                self.process_group, self.hierarchical, average=True, on_finite=self._verdicts.record
+            )
         )
-
-    def _record(self, name: str, finite: bool) -> None:
-        self._finite[name] = finite
 
     def _momentum_op(self, bucket: BaguaBucket, flat: torch.Tensor) -> None:
         """``m <- m + (1-b1) (g + lambda p - m)`` for every tensor of the bucket, in the bucket's flat buffer."""
