@@ -10,9 +10,9 @@ the step's start, medians over the steps after ``--skip``):
   segment of each phase of bucket 1 received; ``bwd``: backward returned (all buckets done); ``end``: after
   ``optimizer.step()``.
 
-and the CPU time per step of each thread (``/proc/self/task``) and of each codec function. ``--noop-codec``
-replaces the codec with functions that do nothing (the bytes on the wire are the same, the values wrong): the
-step it gives is the floor that a free codec would reach. Needs root (network namespaces). Example::
+and the CPU time per step of each thread (``/proc/self/task``, summed by thread name; ``main`` is the main
+thread) and of each codec function. ``--noop-codec`` replaces the codec with functions that do nothing (the bytes
+on the wire are the same, the values wrong): the step it gives is the floor that a free codec would reach. Needs root (network namespaces). Example::
 
     sudo .venv/bin/python benchmarks/bytegrad_timeline.py --rate 1gbit --steps 24
     sudo .venv/bin/python benchmarks/bytegrad_timeline.py --rate 1gbit --steps 24 --noop-codec
@@ -36,8 +36,8 @@ __all__: list[str] = []
 CODEC = ("chunk_minmax", "pieces_minmax", "encode_chunks", "encode_pieces", "decode_sum_chunks", "decode_chunks")
 
 
-def _thread_cpu_ms() -> dict[str, float]:
-    """CPU milliseconds (user + system) of every live thread of this process, keyed ``tid:name``."""
+def _thread_cpu_ms() -> dict[int, tuple[str, float]]:
+    """CPU milliseconds (user + system) of every live thread of this process: thread id -> (name, ms)."""
     ticks = os.sysconf("SC_CLK_TCK")
     out = {}
     for task in glob.glob("/proc/self/task/*"):
@@ -48,7 +48,19 @@ def _thread_cpu_ms() -> dict[str, float]:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        out[f"{os.path.basename(task)}:{name}"] = (int(fields[11]) + int(fields[12])) * 1000 / ticks
+        out[int(os.path.basename(task))] = (name, (int(fields[11]) + int(fields[12])) * 1000 / ticks)
+    return out
+
+
+def _cpu_per_step(start: dict[int, tuple[str, float]], end: dict[int, tuple[str, float]], steps: int) -> dict:
+    """CPU ms per step between two :func:`_thread_cpu_ms` readings, summed by thread name; the main thread is
+    ``main`` (the other ``python`` thread is the communication thread: Python does not name its threads)."""
+    out: dict[str, float] = {}
+    for tid, (name, ms) in end.items():
+        spent = ms - start.get(tid, (name, 0.0))[1]
+        if spent > 0:
+            key = "main" if tid == os.getpid() else name
+            out[key] = round(out.get(key, 0.0) + spent / steps, 1)
     return out
 
 
@@ -168,11 +180,7 @@ def _worker(args: argparse.Namespace) -> None:
     result = {
         "rank": rank,
         "events_ms": {k: round(statistics.median(s[k] for s in timed if k in s), 1) for k in keys},
-        "thread_cpu_ms_per_step": {
-            k.split(":", 1)[1] + ("" if k.split(":", 1)[1] != "python" else f"#{k.split(':')[0]}"):
-                round((v - cpu_start.get(k, 0.0)) / len(timed), 1)
-            for k, v in cpu_end.items() if v - cpu_start.get(k, 0.0) > 0
-        },
+        "thread_cpu_ms_per_step": _cpu_per_step(cpu_start, cpu_end, len(timed)),
         "codec_cpu_ms_per_step": {
             k: round((v - codec_start.get(k, 0.0)) / len(timed), 2) for k, v in recorder.codec_cpu.items()
         },

@@ -36,5 +36,6 @@ def test_timeline_records_every_phase_in_order(tmp_path, noop):
         assert times == sorted(times), events
         codec = sum(rank["codec_cpu_ms_per_step"].values())
         assert (codec < 2.0) if noop else (codec > 5.0), rank["codec_cpu_ms_per_step"]
+        assert "main" in rank["thread_cpu_ms_per_step"], rank
         assert any(name.startswith("gloo") for name in rank["thread_cpu_ms_per_step"]), rank
     assert "events (ms from step start)" in run.stdout
