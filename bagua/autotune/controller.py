@@ -144,11 +144,14 @@ class AutotuneController:
         comm = pg.get_global_communicator()
         self._ranks = list(comm.ranks)
         self._is_root = dist.get_rank() == self._ranks[0]
-        self._group = dist.new_group(self._ranks)  # collective; decisions never mix with bucket traffic
+        self._group = pg.auxiliary_group("autotune")  # created once per engine group; never mixes with buckets
         self._device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(comm.group) == "nccl" \
             else torch.device("cpu")
         self._msg = multistream.get(pg)
-        self._tunes_hierarchical = hasattr(bagua_ddp.impl, "hierarchical") and pg.is_hierarchical_possible()
+        # only a mode switch the algorithm accepts both ways (shift_one needs an even number of peers in either)
+        self._tunes_hierarchical = pg.is_hierarchical_possible() and all(
+            bagua_ddp.impl.accepts_hierarchical(h) for h in (True, False)
+        )
         tensors = list(bagua_ddp._bagua_tensors)
         self._names = [t.name for t in tensors]
         total_bytes = sum(t.numel() * t.param.element_size() for t in tensors)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
+from bagua.torch_api import hierarchy
 from bagua.torch_api import multistream
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.process_group import BaguaProcessGroup
@@ -269,7 +270,7 @@ class BaguaBucket:
         if compression is None:
             return self.append_op(centralized_full_precision_op(group, hierarchical, average, scattergather))
         if compression == "MinMaxUInt8":
-            from bagua.torch_api.algorithms.bytegrad import centralized_low_precision_op
+            from bagua.torch_api.compressed_allreduce import centralized_low_precision_op  # imports this module
 
             return self.append_op(centralized_low_precision_op(group, hierarchical, average))
         raise ValueError(f"unknown compression {compression!r}; available: None, 'MinMaxUInt8'")
@@ -315,15 +316,7 @@ def centralized_full_precision_op(
     op = ReduceOp.AVG if average else ReduceOp.SUM
 
     def allreduce_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
-        if hierarchical and group.is_hierarchical_possible():
-            intra = group.get_intra_node_communicator()
-            inter = group.get_inter_node_communicator()
-            comm.reduce_inplace(flat, 0, op, intra)
-            if inter.is_member():
-                _allreduce(flat, op, inter)
-            comm.broadcast(flat, 0, intra)
-        else:
-            _allreduce(flat, op, group.get_global_communicator())
+        hierarchy.run_hierarchically(group, hierarchical, flat, lambda t, c: _allreduce(t, op, c), average)
 
     def launch_async(bucket: BaguaBucket, flat: torch.Tensor) -> "AsyncHandle":
         # The flat, unsplit case is one collective: start it from the caller's thread and let the backend run it

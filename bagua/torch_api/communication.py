@@ -14,10 +14,11 @@ Example:
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import enum
 import json
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -54,6 +55,7 @@ __all__ = [
     "alltoall_v_inplace",
     "barrier",
     "BaguaProcessGroup",
+    "on_shutdown",
 ]
 
 Comm = Union[BaguaCommunicator, BaguaProcessGroup, dist.ProcessGroup, None]
@@ -191,6 +193,48 @@ def init_process_group(
     pg = BaguaProcessGroup(ranks, dist.group.WORLD, "default", _new_stream())
     pg._build_hierarchy(_gather_world_layout())
     _default_pg = pg
+    if not _shutdown_registered:
+        atexit.register(_shutdown)
+        _mark_shutdown_registered()
+
+
+_shutdown_callbacks: list[Callable[[], None]] = []
+_shutdown_registered = False
+
+
+def _mark_shutdown_registered() -> None:
+    global _shutdown_registered
+    _shutdown_registered = True
+
+
+def on_shutdown(callback: Callable[[], None]) -> None:
+    """Run ``callback`` at interpreter exit, before ``torch.distributed`` is torn down (last registered, first run).
+
+    Bagua's engines and background threads stop there, without any collective (peers may be gone already).
+    """
+    _shutdown_callbacks.append(callback)
+
+
+def _shutdown() -> None:
+    """At exit: stop Bagua's threads, then destroy the process groups while the interpreter is still whole.
+
+    A process that leaves gloo's groups to the interpreter's final teardown aborts in about a third of the runs
+    ("terminate called without an active exception": a C++ thread of a process group destroyed while still
+    joinable), and torchrun then reports the job failed, or restarts it. Destroying the groups here, in order,
+    joins those threads first.
+    """
+    while _shutdown_callbacks:
+        callback = _shutdown_callbacks.pop()
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - exit must go on; nothing is left to report to
+            pass
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+    _reset()
 
 
 def _new_stream():

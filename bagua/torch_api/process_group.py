@@ -1,32 +1,43 @@
-"""Process groups: a torch group plus lazily built intra-node and inter-node subgroups.
+"""Process groups: a torch group plus intra-node and inter-node subgroups.
 
 A :class:`BaguaProcessGroup` is what algorithms are bound to. Its *global* communicator spans all its ranks; the
-*intra-node* communicator spans the ranks of the caller's node; the *inter-node* communicator spans the node
-leaders (the ranks whose local rank equals that of the group's first rank). A rank outside a communicator gets
-one whose ``group`` is ``None``, and every collective on it returns at once, as in the original Bagua.
+*intra-node* communicator spans the group's ranks on the caller's node; the *inter-node* communicator spans the
+node *leaders*. One rule, for every algorithm and any subgroup: a node's leader is the group's lowest rank on that
+node, which is also rank 0 of that node's intra-node communicator (so "reduce to intra rank 0, work among the
+leaders, broadcast from intra rank 0" always meets the same ranks; :mod:`bagua.torch_api.hierarchy`). A rank
+outside a communicator gets one whose ``group`` is ``None``, and every collective on it returns at once, as in the
+original Bagua.
+
+:meth:`BaguaProcessGroup.private_copy` gives an engine torch groups of its own over the same ranks, so that what
+the engine sends can never interleave with the user's collectives or another engine's.
 """
 
 from __future__ import annotations
 
+import datetime
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 
 __all__ = ["BaguaCommunicator", "BaguaProcessGroup", "new_torch_group"]
 
 
-def new_torch_group(ranks: list[int]) -> Optional[dist.ProcessGroup]:
+def new_torch_group(
+    ranks: list[int], private: bool = False, timeout: Optional[datetime.timedelta] = None
+) -> Optional[dist.ProcessGroup]:
     """Create a torch group over ``ranks``; **every** process of the job must call it, in the same order.
 
     torch names groups by a per-process counter, so creating groups on some processes only would give the
     same group different names on different processes; Bagua therefore creates every group collectively, as
-    ``torch.distributed.new_group`` documents. Returns ``None`` on ranks outside ``ranks``.
+    ``torch.distributed.new_group`` documents. Returns ``None`` on ranks outside ``ranks``. Over all ranks the
+    WORLD group is reused, unless ``private``.
     """
     ranks = sorted(ranks)
-    if len(ranks) == dist.get_world_size():
+    if len(ranks) == dist.get_world_size() and not private:
         return dist.group.WORLD
-    group = dist.new_group(ranks)
+    group = dist.new_group(ranks, timeout=timeout)
     return group if dist.get_rank() in ranks else None
 
 
@@ -89,6 +100,8 @@ class BaguaProcessGroup:
         self._layout: Optional[list[tuple[int, int]]] = None
         self._intra: Optional[BaguaCommunicator] = None
         self._inter: Optional[BaguaCommunicator] = None
+        self._world_layout: Optional[list[tuple[int, int]]] = None
+        self._auxiliary: dict[str, Optional[dist.ProcessGroup]] = {}
 
     def is_member(self) -> bool:
         """Whether the calling rank belongs to the group."""
@@ -127,30 +140,59 @@ class BaguaProcessGroup:
         nodes = {n for n, _ in layout}
         return 1 < len(nodes) < len(layout)
 
+    def node_leaders(self) -> list[int]:
+        """The global rank of each node's leader (the group's lowest rank on that node), by node."""
+        first: dict[int, int] = {}
+        for r, (node, _) in zip(self.ranks, self.node_layout()):
+            first.setdefault(node, r)
+        return [first[n] for n in sorted(first)]
+
     def _build_hierarchy(self, world_layout: list[tuple[int, int]]) -> None:
         """Create the intra-/inter-node groups; called on every process of the job, in the same order."""
+        self._world_layout = list(world_layout)
         self._layout = [world_layout[r] for r in self.ranks]
         by_node: dict[int, list[int]] = {}
         for r in self.ranks:
             by_node.setdefault(world_layout[r][0], []).append(r)
-        leader_local = world_layout[self.ranks[0]][1]
-        inter_ranks = [r for r in self.ranks if world_layout[r][1] == leader_local]
         me = dist.get_rank()
         if not self.is_hierarchical_possible():
             # One node (or one rank per node): the intra communicator is the whole group and the inter one holds
             # the leader alone, so hierarchical algorithms reduce to their flat form.
-            leader = [self.ranks[0]]
             self._intra = BaguaCommunicator(self.group, self.ranks, self.stream)
-            self._inter = BaguaCommunicator(None, leader, self.stream)
+            self._inter = BaguaCommunicator(None, [self.ranks[0]], self.stream)
             return
         for node in sorted(by_node):
-            group = new_torch_group(by_node[node])
+            group = new_torch_group(by_node[node], private=True)
             if me in by_node[node]:
                 self._intra = BaguaCommunicator(group, by_node[node], self.stream)
-        group = new_torch_group(inter_ranks)
-        self._inter = BaguaCommunicator(group, inter_ranks, self.stream)
+        leaders = self.node_leaders()
+        self._inter = BaguaCommunicator(new_torch_group(leaders, private=True), leaders, self.stream)
         if self._intra is None:
             self._intra = BaguaCommunicator(None, [], self.stream)
+
+    def private_copy(self, name: str) -> "BaguaProcessGroup":
+        """A group over the same ranks whose torch groups (global, intra- and inter-node) are new and its own.
+
+        Collective: every process of the job calls it, in the same order (as ``torch.distributed.new_group``).
+        An engine communicates only on its private copy, so nothing it sends can be matched with a message of
+        the user's collectives, of Lightning's, or of another wrapped model.
+        """
+        assert self._world_layout is not None, "the group's layout is set when the group is created"
+        group = new_torch_group(self.ranks, private=True)
+        stream = torch.cuda.Stream(priority=-1) if self.stream is not None else None
+        copy = BaguaProcessGroup(self.ranks, group, name, stream)
+        copy._build_hierarchy(self._world_layout)
+        return copy
+
+    def auxiliary_group(self, purpose: str, timeout_s: Optional[float] = None) -> Optional[dist.ProcessGroup]:
+        """A torch group over the group's ranks for one ``purpose`` (e.g. a background thread), created once.
+
+        Collective the first time a purpose is asked for: every process of the job asks in the same order.
+        """
+        if purpose not in self._auxiliary:
+            timeout = datetime.timedelta(seconds=timeout_s) if timeout_s is not None else None
+            self._auxiliary[purpose] = new_torch_group(self.ranks, private=True, timeout=timeout)
+        return self._auxiliary[purpose]
 
     def __repr__(self) -> str:
         return f"BaguaProcessGroup(name={self.group_name!r}, ranks={self.ranks})"

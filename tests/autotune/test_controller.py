@@ -97,7 +97,7 @@ def _worker_from_env(rank, world_size):
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model.with_bagua([opt], GradientAllReduceAlgorithm())  # the engine calls autotune's on_wrap
     ctl = autotune.get_controller(model)
-    msg = multistream.get(None)
+    msg = multistream.get(model.bagua_ddp.process_group)  # the streams of the engine's own group
     iters = 0
     while ctl is not None and not ctl.finished and iters < MAX_ITERS:
         _iterate(model, opt, rank, iters)

@@ -98,17 +98,17 @@ def test_registered_by_name_and_validated():
 
 
 def _worker_parity(rank, world_size, hierarchical, error_feedback, small_segments, average=True, deferred=False):
-    from bagua.torch_api import compression
+    from bagua.torch_api import compressed_allreduce, compression
     from bagua.torch_api.algorithms import bytegrad
     from bagua.torch_api.bucket import BaguaBucket
 
     if small_segments:  # exercise the pipelined segments and the cache blocks with a tiny model
-        bytegrad.SEGMENT, compression.BLOCK = 160, 48
+        compressed_allreduce.SEGMENT, compression.BLOCK = 160, 48
     read_in_place = []
     if deferred:  # fresh gradients of every size are read in place, never copied into the bucket first
         BaguaBucket.MIN_DEFERRED = 1
-        encode_pieces = bytegrad.encode_pieces
-        bytegrad.encode_pieces = lambda *a, **k: read_in_place.append(1) or encode_pieces(*a, **k)
+        encode_pieces = compressed_allreduce.encode_pieces
+        compressed_allreduce.encode_pieces = lambda *a, **k: read_in_place.append(1) or encode_pieces(*a, **k)
     torch.manual_seed(0)
     model = Net()
     ref_model = copy.deepcopy(model)
@@ -225,7 +225,7 @@ def test_unflattened_odd_sized_and_half_precision_buckets():
 
 def _worker_grouped_sends(rank, world_size):
     from bagua.torch_api import communication
-    from bagua.torch_api.algorithms import bytegrad
+    from bagua.torch_api import compressed_allreduce as bytegrad
 
     bytegrad.SEGMENT = 100  # several segments per chunk
     c = communication._get_default_group().get_global_communicator()
@@ -391,7 +391,7 @@ def _worker_nonfinite(rank, world_size, policy):
 
 def test_nonfinite_gradient_raises_on_every_rank():
     for message in run_workers(_worker_nonfinite, 2, "raise"):
-        assert message.startswith("raised:") and "NaN/Inf in bucket(s)" in message and "nonfinite='skip'" in message
+        assert message.startswith("raised:") and "NaN/Inf in bucket(s)" in message and "nonfinite='propagate'" in message
 
 
 def test_nonfinite_gradient_skips_the_step_on_every_rank():
@@ -399,11 +399,12 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank():
 
 
 def _worker_verdict_from_headers(rank, world_size):
-    from bagua.torch_api.algorithms import bytegrad
+    from bagua.torch_api import compressed_allreduce
+    from bagua.torch_api.algorithms import bytegrad, nonfinite
 
     scans = []
-    exact = bytegrad.all_finite
-    bytegrad.all_finite = lambda t: scans.append(t.numel()) or exact(t)
+    exact = compressed_allreduce.all_finite
+    compressed_allreduce.all_finite = nonfinite.all_finite = lambda t: scans.append(t.numel()) or exact(t)
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -129,13 +129,14 @@ def _worker_bagua(rank, world_size):
     for use_multistream in (False, True):
         model = make_model(rank)
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-        msg = (multistream.enable(None, num_streams=2, min_chunk_bytes=256, calibrate_streams=False)
-               if use_multistream else None)
+        if use_multistream:  # enabled for the default group: the engine's own group gets the same streams
+            multistream.enable(None, num_streams=2, min_chunk_bytes=256, calibrate_streams=False)
         model.with_bagua([opt], GradientAllReduceAlgorithm())
+        own = multistream.get(model.bagua_ddp.process_group)
         _train(model, opt, rank)
         out.append(params_of(model))
         model.bagua_ddp.close()
-    return out[0], out[1], msg.split_calls
+    return out[0], out[1], own.split_calls
 
 
 def test_bagua_gradient_allreduce_uses_enabled_streams():

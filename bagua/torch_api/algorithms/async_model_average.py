@@ -28,7 +28,6 @@ https://arxiv.org/abs/1710.06952.
 from __future__ import annotations
 
 import atexit
-import datetime
 import logging
 import threading
 import weakref
@@ -38,6 +37,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from bagua.torch_api import communication as comm
 from bagua.torch_api import env
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.decentralized import (
@@ -131,16 +131,16 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         self._buckets: list[BaguaBucket] = []
         self._round_buffers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._lock = _WeightLock()
+        self._stepped: set[int] = set()  # the optimizers that stepped since the last forward
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._state = _NEW
         self._error: Optional[BaseException] = None
         # the averaging thread's own group, so its collectives never interleave with the training thread's;
-        # created collectively now, since every rank wraps its model at the same time
+        # created collectively with the engine's group (every rank wraps its model at the same time), once: a
+        # re-wrap of the model reuses it
         self._ranks = list(process_group.ranks)
-        self._thread_group = dist.new_group(
-            self._ranks, timeout=datetime.timedelta(seconds=env.get_comm_timeout_s())
-        )
+        self._thread_group = process_group.auxiliary_group("async-averaging", env.get_comm_timeout_s())
         # stats
         self.rounds = 0
         _live_impls.add(self)
@@ -181,6 +181,7 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
             if self._state == _NEW:
                 self._start()
             self._report_if_stopped()
+            self._stepped.clear()
             self._lock.release_for_training()  # a forward without a step before: let a waiting round in first
             self._lock.acquire_for_training(env.get_comm_timeout_s())
 
@@ -199,7 +200,17 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
     def init_post_optimizer_step_hook(self, bagua_ddp) -> Callable[[torch.optim.Optimizer], None]:
         if self._warmup:
             return lambda optimizer: None
-        return lambda optimizer: self._lock.release_for_training()
+
+        def hook(optimizer: torch.optim.Optimizer) -> None:
+            # with several optimizers, the weights are released once all of them have stepped (by object: a fused
+            # optimizer may show other tensors in param_groups while it steps); a round never runs between them
+            self._stepped.add(id(optimizer))
+            if any(id(o) not in self._stepped for o in bagua_ddp.bagua_optimizers):
+                return
+            self._stepped.clear()
+            self._lock.release_for_training()
+
+        return hook
 
     def close(self) -> None:
         self._stop_thread(raise_on_timeout=False)
@@ -335,12 +346,15 @@ _live_impls: "weakref.WeakSet[AsyncModelAverageAlgorithmImpl]" = weakref.WeakSet
 
 
 @atexit.register
-def _stop_all_at_exit() -> None:
+def _stop_all_at_exit() -> None:  # also run by Bagua's exit handler, before the process groups are destroyed
     for impl in list(_live_impls):
         impl._stop.set()
         impl._lock.release_for_training()
         if impl._thread is not None:
             impl._thread.join(1.0)
+
+
+comm.on_shutdown(_stop_all_at_exit)
 
 
 @GlobalAlgorithmRegistry.register("async", description="asynchronous model averaging in a background thread")

@@ -147,5 +147,9 @@ class AlgorithmImpl:
         """Return ``fn(optimizer)`` run after every ``optimizer.step()``."""
         return lambda optimizer: None
 
+    def accepts_hierarchical(self, hierarchical: bool) -> bool:
+        """Whether the implementation can switch to ``hierarchical`` (autotune asks before it flips the mode)."""
+        return hasattr(self, "hierarchical")
+
     def close(self) -> None:
         """Release what the implementation holds (threads, groups) when the model is re-wrapped or torn down."""

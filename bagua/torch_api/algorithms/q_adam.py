@@ -6,8 +6,12 @@ hardly changes, so it is frozen and only the first moment ``m`` is communicated,
 
 1. ``t <= W`` (warmup): gradients are averaged in float32 (gradient allreduce), then the Adam update of ``m``
    and ``v``.
-2. ``t > W`` (compression): during backward, each rank updates ``m <- m + (1-b1) * (g + lambda*p - m)`` with its
-   local gradient, and the momenta are averaged with ByteGrad's 8-bit scatter-reduce-gather. Then ``v`` is not
+2. ``t > W`` (compression): at ``optimizer.step()`` (before the update, so from the gradients the step sees:
+   unscaled by ``GradScaler``, clipped by the user), each rank updates ``m <- m + (1-b1) * (g + lambda*p - m)``
+   with its local gradient, and the momenta are averaged with ByteGrad's 8-bit scatter-reduce-gather. At the end
+   of backward the ranks agree on whether every rank's gradients are finite (one small allreduce): if not, every
+   rank's gradients become NaN, so ``GradScaler`` skips the step everywhere, and a step that no scaler skipped is
+   skipped by the optimizer itself, leaving every state untouched. Then ``v`` is not
    updated from the gradients any more (it is frozen), but it is raised where the averaged momentum outgrows it:
    ``v <- max(v, (1-b2^W) / (1-b1^t)^2 * m^2)``.
 3. Every step: ``p <- p - lr / (1-b1^t) * m / (sqrt(v) / sqrt(1-b2^min(t, W)) + eps)`` (``eps`` where
@@ -49,12 +53,13 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from bagua.torch_api.algorithms.bytegrad import (
+from bagua.torch_api.algorithms.nonfinite import (
     FiniteVerdicts,
-    centralized_low_precision_op,
+    agree_on_finite_gradients,
     check_finite_after_communication,
 )
 from bagua.torch_api.bucket import BaguaBucket
+from bagua.torch_api.compressed_allreduce import centralized_low_precision_op
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
@@ -110,6 +115,8 @@ class QAdamOptimizer(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.warmup_steps = warmup_steps
+        # set by QAdamAlgorithm after the warmup: communicate the momenta; returns False to skip the step
+        self._prepare_step: Optional[Callable[[], bool]] = None
 
     def _state_of(self, p: torch.Tensor) -> dict:
         """The parameter's state, created as ``torch.optim.Adam`` creates it."""
@@ -134,6 +141,11 @@ class QAdamOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._prepare_step is not None and not self._prepare_step():
+            # after its warmup QAdamAlgorithm averages the momenta here, from the gradients of this step (also when
+            # a closure computed them just now); it says to skip a step whose gradients were not finite on some
+            # rank (every rank does), leaving every state untouched
+            return loss
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             for p in group["params"]:
@@ -182,6 +194,7 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
             id(p): group for group in q_adam_optimizer.param_groups for p in group["params"]
         }
         self._verdicts = FiniteVerdicts()  # NaN/Inf of the compressed momenta, per bucket, from the comm thread
+        self._finite = True  # whether every rank's gradients of this step are finite (after the warmup)
 
     @property
     def optimizer_step_id(self) -> int:
@@ -218,15 +231,57 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
             )
         return tensors
 
+    def init_backward_hook(self, bagua_ddp):
+        if not self.compressing:
+            return super().init_backward_hook(bagua_ddp)
+        return lambda name, param: None  # the momenta are communicated at the optimizer step (see below)
+
     def init_post_backward_hook(self, bagua_ddp):
+        if not self.compressing:
+            return super().init_post_backward_hook(bagua_ddp)
+
         def hook() -> None:
-            bagua_ddp.launch_remaining_buckets()
-            bagua_ddp.wait_pending_comm_ops()
-            known = self._verdicts.take()
-            if self.compressing:  # a NaN momentum in 8 bits poisons its whole chunk on every rank: fail loudly
-                check_finite_after_communication(bagua_ddp, "raise", "QAdam", known)
+            # the gradients stay local after the warmup: every rank learns whether some rank's are not finite,
+            # so GradScaler skips the same steps everywhere
+            self._finite = agree_on_finite_gradients(bagua_ddp)
 
         return hook
+
+    def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
+        bucket.clear_ops()
+        if not self.compressing:
+            self.optimizer._prepare_step = None
+            bucket.append_centralized_synchronous_op(hierarchical=False, average=True, group=self.process_group)
+            return
+        # After the warmup the momenta are updated and averaged inside QAdamOptimizer.step(), before the update, from
+        # the gradients the update uses: unscaled by GradScaler.unscale_, clipped by the user, computed by the
+        # closure when step() is given one (Lightning does), exactly as torch.optim.Adam would see them.
+        self.optimizer._prepare_step = lambda: self._average_momenta(bagua_ddp)
+        bucket.append_op(self._momentum_op)
+        # the 8-bit average of the momenta; its verdict on NaN/Inf comes from the chunks' headers, on the comm thread
+        bucket.append_op(
+            centralized_low_precision_op(
+                self.process_group, self.hierarchical, average=True, on_finite=self._verdicts.record
+            )
+        )
+
+    def _average_momenta(self, bagua_ddp) -> bool:
+        """Step 2 before the update: ``m <- m + (1-b1)(g + lambda p - m)`` on every rank, then the 8-bit average.
+
+        Returns False (skip the step, on every rank alike) when some rank's gradients were not finite.
+        """
+        if not self._finite:
+            logger.warning("QAdam: a rank's gradients hold NaN/Inf; the step is skipped on every rank")
+            self._finite = True
+            return False
+        for bucket in bagua_ddp.bagua_buckets:
+            bagua_ddp.mark_bucket_ready(bucket)
+        bagua_ddp.wait_pending_comm_ops()
+        check_finite_after_communication(bagua_ddp, "raise", "QAdam", self._verdicts.take())
+        return True
+
+    def close(self) -> None:
+        self.optimizer._prepare_step = None
 
     def _get_momentum(self, p: torch.Tensor) -> torch.Tensor:
         return self.optimizer.state[p]["exp_avg"]
@@ -240,19 +295,6 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
         return [
             BaguaBucket(group, name=str(i), flatten=do_flatten, alignment=alignment) for i, group in enumerate(tensors)
         ]
-
-    def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
-        bucket.clear_ops()
-        if not self.compressing:
-            bucket.append_centralized_synchronous_op(hierarchical=False, average=True, group=self.process_group)
-            return
-        bucket.append_op(self._momentum_op)
-        # the 8-bit average of the momenta; its verdict on NaN/Inf comes from the chunks' headers, on the comm thread
-        bucket.append_op(
-            centralized_low_precision_op(
-                self.process_group, self.hierarchical, average=True, on_finite=self._verdicts.record
-            )
-        )
 
     def _momentum_op(self, bucket: BaguaBucket, flat: torch.Tensor) -> None:
         """``m <- m + (1-b1) (g + lambda p - m)`` for every tensor of the bucket, in the bucket's flat buffer."""

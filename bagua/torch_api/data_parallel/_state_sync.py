@@ -35,11 +35,12 @@ def check_consistency(
     optimizers: Sequence[torch.optim.Optimizer],
     group: BaguaProcessGroup,
 ) -> None:
-    """Raise ``ValueError`` on every rank unless all ranks have the same parameters and optimizers.
+    """Raise ``ValueError`` on every rank unless all ranks have the same parameters, buffers and optimizers.
 
     Also rejects, on every rank, an optimizer that holds parameters the module does not have.
     """
     param_sig = "|".join(f"{n}:{tuple(p.shape)}:{p.dtype}" for n, p in params)
+    buffer_sig = "|".join(f"{n}:{tuple(b.shape)}:{b.dtype}" for n, b in module.named_buffers())
     opt_sig = "|".join(
         f"{type(o).__name__}:{[len(g['params']) for g in o.param_groups]}" for o in optimizers
     )
@@ -48,7 +49,7 @@ def check_consistency(
         tuple(p.shape) for o in optimizers for g in o.param_groups for p in g["params"] if id(p) not in model_ids
     ]
     mine = torch.tensor(
-        [_crc(param_sig), len(params), _crc(opt_sig), _ERR_FOREIGN_PARAMS if foreign else 0],
+        [_crc(param_sig), len(params), _crc(opt_sig), _ERR_FOREIGN_PARAMS if foreign else 0, _crc(buffer_sig)],
         dtype=torch.int64,
         device=_device(group),
     )
@@ -70,6 +71,12 @@ def check_consistency(
         problems.append(
             f"the model on rank(s) {diff_params} differs from rank {c.ranks[0]}'s (parameter names, shapes or dtypes); "
             "build the same model on every rank"
+        )
+    diff_buffers = [c.ranks[r] for r, row in enumerate(rows) if row[4] != rows[0][4]]
+    if diff_buffers:
+        problems.append(
+            f"the model's buffers on rank(s) {diff_buffers} differ from rank {c.ranks[0]}'s (names, shapes or dtypes, "
+            "e.g. BatchNorm running statistics); build the same model on every rank"
         )
     diff_opts = [c.ranks[r] for r, row in enumerate(rows) if row[2] != rows[0][2]]
     if diff_opts:

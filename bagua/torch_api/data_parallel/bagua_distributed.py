@@ -15,7 +15,6 @@ Every wait has a timeout (``BAGUA_COMM_TIMEOUT_S``) and fails with the rank, the
 from __future__ import annotations
 
 import contextlib
-import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -27,11 +26,9 @@ from bagua.torch_api import env
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket, split_bucket_by_bucket_size
 from bagua.torch_api.data_parallel import _state_sync
+from bagua.torch_api.data_parallel._comm_plane import CommWorker, enable_multistream_like, private_group
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
-
-__all__ = ["BaguaDistributedDataParallel"]
-
 
 def _queue_backward_end_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current backward pass has finished.
@@ -42,53 +39,22 @@ def _queue_backward_end_callback(callback: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-class _CommWorker:
-    """A daemon thread that executes buckets one at a time, in submission order."""
+def _graph_task_id() -> int:
+    """The id of the autograd graph task (one ``backward()`` call) running on this thread; -1 outside backward.
 
-    def __init__(self, name: str, stream: Optional[Any]) -> None:
-        self._stream = stream
-        self._jobs: list[tuple[Callable[[], None], Future]] = []
-        self._cv = threading.Condition()
-        self._closed = False
-        self._device = torch.cuda.current_device() if stream is not None else None
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+    Ids grow with every new backward, so a task that started *before* one that has already ended is an outer
+    backward still running around a nested one (reentrant activation checkpointing). No public API tells that;
+    the private call is isolated here (STYLE.md habit 8).
+    """
+    return int(torch._C._current_graph_task_id())
 
-    def submit(self, fn: Callable[[], None]) -> Future:
-        future: Future = Future()
-        with self._cv:
-            if self._closed:
-                raise RuntimeError("the communication thread is closed")
-            self._jobs.append((fn, future))
-            self._cv.notify()
-        return future
 
-    def _loop(self) -> None:
-        if self._device is not None:
-            torch.cuda.set_device(self._device)
-        while True:
-            with self._cv:
-                while not self._jobs and not self._closed:
-                    self._cv.wait()
-                if not self._jobs:
-                    return
-                fn, future = self._jobs.pop(0)
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                if self._stream is not None:
-                    with torch.cuda.stream(self._stream):
-                        fn()
-                else:
-                    fn()
-                future.set_result(None)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                future.set_exception(exc)
-
-    def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify()
+_REENTRANT_MESSAGE = (
+    "rank {rank}: {name}: a backward pass ran nested inside another (reentrant activation checkpointing, "
+    "torch.utils.checkpoint.checkpoint(..., use_reentrant=True)), and Bagua's end-of-backward came from the inner "
+    "one, before every gradient existed: the buckets would be communicated twice. Use "
+    "checkpoint(..., use_reentrant=False), which torch recommends and Bagua supports."
+)
 
 
 class BaguaDistributedDataParallel:
@@ -126,7 +92,8 @@ class BaguaDistributedDataParallel:
         self.module = module
         self.bagua_optimizers = list(optimizers)
         self.bagua_algorithm = algorithm
-        self.process_group = process_group
+        #: the group the user asked for; the engine communicates on its own copy of it, ``process_group``
+        self.user_process_group = process_group
         self.bagua_module_name = bagua_module_name or f"{type(module).__name__}_{id(module)}"
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters
@@ -149,11 +116,19 @@ class BaguaDistributedDataParallel:
         self._autograd_handles: list[Any] = []
         self._bucket_plan: Optional[list[list[str]]] = None
         self._params: list[tuple[str, torch.nn.Parameter]] = []
-        self.impl: AlgorithmImpl = algorithm.reify(process_group)
-        self._worker = _CommWorker(f"bagua-comm-{self.bagua_module_name}", process_group.stream)
+        self._queued_task = -1  # the backward whose end callback is queued
+        self._ended_task = -1  # the last backward whose end callback ran in this step
+        # Everything the engine sends goes over torch groups of its own (created collectively now): nothing it
+        # sends can be matched with the user's collectives, Lightning's, or another wrapped model's messages.
+        self.process_group = private_group(module, process_group)
+        self.impl: AlgorithmImpl = algorithm.reify(self.process_group)
+        self._worker = CommWorker(f"bagua-comm-{self.bagua_module_name}", self.process_group.stream)
         # one small collective: every rank learns whether the model/optimizers agree everywhere
         try:
-            _state_sync.check_consistency(self.module, self.bagua_build_params(), self.bagua_optimizers, process_group)
+            _state_sync.check_consistency(
+                self.module, self._params_to_sync(), self.bagua_optimizers, self.process_group
+            )
+            enable_multistream_like(self.user_process_group, self.process_group)
             self._bagua_init_algorithm()
             self._register_framework_hooks()
         except BaseException:
@@ -183,13 +158,26 @@ class BaguaDistributedDataParallel:
                 params.append((name, param))
         return params
 
+    def _params_to_sync(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """Every parameter that is not ignored, frozen ones included: all ranks must start from rank 0's."""
+        seen: set[int] = set()
+        params = []
+        for name, param in self.module.named_parameters():
+            if name in self.parameters_to_ignore or id(param) in seen or getattr(param, "expert", False):
+                continue
+            seen.add(id(param))
+            params.append((name, param))
+        return params
+
     # -- initialization ----------------------------------------------------------------------------------------
 
     def _bagua_init_algorithm(self) -> None:
         self.wait_pending_comm_ops()
         # the walk over the module tree is done once per (re)initialization, not on every step
         self._params = self.bagua_build_params()
-        _state_sync.broadcast_module_and_optimizers(self.module, self._params, self.bagua_optimizers, self.process_group)
+        _state_sync.broadcast_module_and_optimizers(
+            self.module, self._params_to_sync(), self.bagua_optimizers, self.process_group
+        )
         self._bagua_tensors = self.impl.init_tensors(self)
         names = [t.name for t in self._bagua_tensors]
         if len(set(names)) != len(names):
@@ -243,6 +231,7 @@ class BaguaDistributedDataParallel:
         if not module.training:
             return
         self.bagua_train_step_counter += 1
+        self._ended_task = -1
         if self.impl.need_reset():
             self._bagua_init_algorithm()
         if self.find_unused_parameters:
@@ -253,7 +242,12 @@ class BaguaDistributedDataParallel:
         if not self.require_backward_grad_sync:
             return
         if not self._callback_queued:
+            task = _graph_task_id()
+            if 0 <= task < self._ended_task:
+                # an outer backward goes on after a nested one already ended the step's communication
+                raise RuntimeError(_REENTRANT_MESSAGE.format(rank=dist.get_rank(), name=self.bagua_module_name))
             self._callback_queued = True
+            self._queued_task = task
             self._used_names: set[str] = set()
             _queue_backward_end_callback(self._on_backward_end)
         self._used_names.add(name)
@@ -261,6 +255,7 @@ class BaguaDistributedDataParallel:
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
+        self._ended_task = self._queued_task
         self._post_backward_fn()
         if self.find_unused_parameters:
             self._restore_globally_unused_grads()

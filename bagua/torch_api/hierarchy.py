@@ -1,0 +1,67 @@
+"""Hierarchical communication, written once for every algorithm.
+
+*Hierarchical* (when a group spans several nodes with several of its ranks on some node): reduce inside each node
+to the node's leader, run the algorithm's exchange among the leaders only (the slow inter-node network carries one
+copy per node), broadcast the result from the leader inside each node. The leader of a node is rank 0 of its
+intra-node communicator (see :mod:`bagua.torch_api.process_group`), so the three steps always meet the same ranks,
+for any subgroup. Without several ranks on a node, the exchange runs over the whole group.
+
+Example:
+    >>> run_hierarchically(group, True, flat, lambda t, c: comm.allreduce_inplace(t, ReduceOp.AVG, c))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from bagua.torch_api import communication as comm
+from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+
+__all__ = ["is_hierarchical", "exchange_communicator", "reduce_to_leaders", "broadcast_from_leaders",
+           "run_hierarchically"]
+
+Exchange = Callable[[torch.Tensor, BaguaCommunicator], None]
+
+
+def is_hierarchical(group: BaguaProcessGroup, hierarchical: bool) -> bool:
+    """Whether ``hierarchical`` applies to ``group`` (several nodes, several of its ranks on some node)."""
+    return hierarchical and group.is_hierarchical_possible()
+
+
+def exchange_communicator(group: BaguaProcessGroup, hierarchical: bool) -> BaguaCommunicator:
+    """The communicator the exchange runs on: the node leaders when hierarchical, else the whole group."""
+    if is_hierarchical(group, hierarchical):
+        return group.get_inter_node_communicator()
+    return group.get_global_communicator()
+
+
+def reduce_to_leaders(group: BaguaProcessGroup, tensor: torch.Tensor, average: bool = True) -> None:
+    """Step 1: reduce ``tensor`` (average or sum) inside each node into the node's leader."""
+    comm.reduce_inplace(tensor, 0, ReduceOp.AVG if average else ReduceOp.SUM, group.get_intra_node_communicator())
+
+
+def broadcast_from_leaders(group: BaguaProcessGroup, tensor: torch.Tensor) -> None:
+    """Step 3: broadcast ``tensor`` from each node's leader to the node's other ranks."""
+    comm.broadcast(tensor, 0, group.get_intra_node_communicator())
+
+
+def run_hierarchically(
+    group: BaguaProcessGroup, hierarchical: bool, tensor: torch.Tensor, exchange: Exchange, average: bool = True
+) -> None:
+    """Run ``exchange(tensor, communicator)``; hierarchically: node reduce, exchange among leaders, broadcast.
+
+    ``exchange`` is only called on a member of a communicator of more than one rank (there is nothing to
+    exchange otherwise). ``average`` chooses the node reduction (average or sum).
+    """
+    c = exchange_communicator(group, hierarchical)
+    if not is_hierarchical(group, hierarchical):
+        if c.is_member() and c.nranks() > 1:
+            exchange(tensor, c)
+        return
+    reduce_to_leaders(group, tensor, average)
+    if c.is_member() and c.nranks() > 1:
+        exchange(tensor, c)
+    broadcast_from_leaders(group, tensor)

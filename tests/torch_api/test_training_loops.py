@@ -1,0 +1,463 @@
+"""The loops people really write: AMP loss scaling, two models in one backward, the user's own collectives,
+reentrant checkpointing, frozen weights, several optimizers.
+
+Each pattern either gives the reference's numbers or fails early on every rank with a message that names the fix.
+References share no code with the engine: torch DDP where it applies, the same models wrapped as one module, or
+the same loop without the pattern. Tolerances: exact (``torch.equal``) where the maths is the same operations in
+the same order (fp32 with a power-of-two loss scale is exact: scaling by 2^k commutes with float rounding);
+``atol=1e-3`` against another bucket layout under 8-bit compression (one quantization step of these gradients).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from tests.harness import run_workers
+from tests.torch_api.models import batch, make_model, params_of
+
+SYNC = ["gradient_allreduce", "bytegrad", "qadam"]
+DETERMINISTIC = SYNC + ["decentralized", "low_precision_decentralized"]
+
+
+def _algorithm(name, model, lr=0.05):
+    """(optimizer, algorithm) for ``name``; QAdam warms up for 2 steps so later steps run compressed."""
+    from bagua.torch_api.algorithms import Algorithm
+    from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+
+    if name == "qadam":
+        opt = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=2)
+        return opt, QAdamAlgorithm(opt, hierarchical=False)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    kwargs = {"async": dict(sync_interval_ms=20)}.get(name, {})
+    if name in ("bytegrad", "decentralized", "low_precision_decentralized"):
+        kwargs["hierarchical"] = False
+    return opt, Algorithm.init(name, **kwargs)
+
+
+# -- AMP: GradScaler skips an overflowing step on every rank ----------------------------------------------------
+
+BAD_STEP = 3
+
+
+def _worker_grad_scaler(rank, world_size, name, use_scaler):
+    model = make_model(rank)
+    opt, algorithm = _algorithm(name, model)
+    model.with_bagua([opt], algorithm)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if use_scaler else None
+    scales = []
+    for step in range(6):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if step == BAD_STEP and rank == 1:
+            loss = loss * float("inf")  # an fp16-style overflow on one rank only
+        if scaler is None:
+            loss.backward()
+            if step != BAD_STEP:  # the reference: the same loop, the user skips that step by hand
+                opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+    if name == "async":
+        model.bagua_algorithm.abort(model)
+    return params_of(model), scales
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+def test_grad_scaler_skips_the_overflowing_step_on_every_rank(name):
+    scaled = run_workers(_worker_grad_scaler, 2, name, True)
+    plain = run_workers(_worker_grad_scaler, 2, name, False)
+    for rank in range(2):
+        weights, scales = scaled[rank]
+        # the scale halves once, at the bad step, identically on every rank
+        assert scales == [2.0**10] * BAD_STEP + [2.0**9] * (6 - BAD_STEP), (rank, scales)
+        for got, want in zip(weights, plain[rank][0]):
+            assert torch.isfinite(got).all()
+            if name in ("bytegrad", "qadam"):  # 8-bit codes of scaled gradients may round the other way
+                assert_close(got, want, rtol=0, atol=1e-3)
+            else:
+                assert torch.equal(got, want), f"{name}: rank {rank} differs from the loop without the bad step"
+    if name in SYNC:
+        for a, b in zip(scaled[0][0], scaled[1][0]):
+            assert torch.equal(a, b)
+
+
+def test_grad_scaler_with_async_averaging_keeps_training():
+    # async averaging never synchronizes the ranks per step, so each rank's scaler decides alone (no collective
+    # to wait for); the overflowing rank skips and halves its scale, and nobody hangs
+    results = run_workers(_worker_grad_scaler, 2, "async", True)
+    assert results[0][1][-1] == 2.0**10 and results[1][1][-1] == 2.0**9
+    assert all(torch.isfinite(p).all() for weights, _ in results for p in weights)
+
+
+def _worker_ddp_grad_scaler(rank, world_size):
+    model = make_model(rank)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for step in range(6):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(ddp(x), y)
+        if step == BAD_STEP and rank == 1:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return params_of(model)
+
+
+def test_grad_scaler_gradient_allreduce_equals_torch_ddp():
+    ddp = run_workers(_worker_ddp_grad_scaler, 2)
+    bagua = run_workers(_worker_grad_scaler, 2, "gradient_allreduce", True)
+    for rank in range(2):
+        for got, want in zip(bagua[rank][0], ddp[rank]):
+            assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# -- two models in one backward (a GAN's generator step) ---------------------------------------------------------
+
+
+class _Pair(torch.nn.Module):
+    """Generator and discriminator of different sizes, as one module (the reference)."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.g = torch.nn.Sequential(torch.nn.Linear(6, 24), torch.nn.Tanh(), torch.nn.Linear(24, 10))
+        self.d = torch.nn.Sequential(torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+    def forward(self, z):
+        return self.d(self.g(z))
+
+
+def _worker_two_models(rank, world_size, name, together):
+    pair = _Pair(100 + rank)
+    if together:
+        opt, algorithm = _algorithm(name, pair)
+        pair.with_bagua([opt], algorithm)
+        opts = [opt]
+    else:
+        opt_g, alg_g = _algorithm(name, pair.g)
+        opt_d, alg_d = _algorithm(name, pair.d)
+        pair.g.with_bagua([opt_g], alg_g)
+        pair.d.with_bagua([opt_d], alg_d)
+        opts = [opt_g, opt_d]
+    for step in range(5):
+        z = torch.randn(8, 6, generator=torch.Generator().manual_seed(rank * 31 + step))
+        for o in opts:
+            o.zero_grad()
+        pair(z).square().mean().backward()  # D(G(z)).backward(): both models' buckets in one backward
+        for o in opts:
+            o.step()
+    return params_of(pair)
+
+
+@pytest.mark.parametrize("name", SYNC + ["decentralized"])
+def test_two_models_in_one_backward_match_one_module(name):
+    apart = run_workers(_worker_two_models, 2, name, False)
+    together = run_workers(_worker_two_models, 2, name, True)
+    if name != "decentralized":  # synchronous algorithms: every rank holds the same weights, bit for bit
+        for a, b in zip(apart[0], apart[1]):
+            assert torch.equal(a, b)
+    exact = name in ("gradient_allreduce", "decentralized")  # fp32 sums of two numbers: layout-independent
+    for rank in range(2):
+        for got, want in zip(apart[rank], together[rank]):
+            if exact:
+                assert torch.equal(got, want)
+            else:
+                assert_close(got, want, rtol=0, atol=1e-3)
+
+
+# -- the user's own collectives between forward and backward -------------------------------------------------------
+
+
+def _worker_user_collectives(rank, world_size, name, with_user_collectives):
+    model = make_model(rank)
+    opt, algorithm = _algorithm(name, model)
+    model.with_bagua([opt], algorithm)
+    logged = []
+    for step in range(5):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if with_user_collectives:  # logging, or Lightning's self.log(..., sync_dist=True), on the default group
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            dist.broadcast(torch.zeros(1000), 0)  # a message of another size, to catch mismatches too
+            logged.append(value.item())
+        loss.backward()
+        if with_user_collectives:
+            dist.all_reduce(torch.ones(3))
+        opt.step()
+    if name == "async":
+        model.bagua_algorithm.abort(model)
+    return params_of(model), logged
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC + ["async"])
+def test_user_collectives_never_mix_with_bagua(name):
+    mixed = run_workers(_worker_user_collectives, 2, name, True)
+    assert mixed[0][1] == mixed[1][1]  # every rank logged the same summed loss
+    if name == "async":
+        return  # the background rounds are timed, not counted: only check that nothing broke
+    alone = run_workers(_worker_user_collectives, 2, name, False)
+    for rank in range(2):
+        for got, want in zip(mixed[rank][0], alone[rank][0]):
+            assert torch.equal(got, want)
+
+
+# -- reentrant activation checkpointing -----------------------------------------------------------------------------
+
+
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, rank, last, reentrant):
+        super().__init__()
+        torch.manual_seed(7 + rank)
+        self.a = torch.nn.Linear(10, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.c = torch.nn.Linear(16, 4)
+        self.last, self.reentrant = last, reentrant
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.relu(self.a(x))
+        if self.last:  # the checkpointed block ends the model: its backward runs first
+            h = torch.relu(self.b(h))
+            return checkpoint(self.c, h, use_reentrant=self.reentrant)
+        h = checkpoint(lambda t: torch.relu(self.b(t)), h, use_reentrant=self.reentrant)
+        return self.c(h)
+
+
+def _worker_checkpoint(rank, world_size, name, last, reentrant):
+    model = _Checkpointed(rank, last, reentrant)
+    opt, algorithm = _algorithm(name, model)
+    model.with_bagua([opt], algorithm)
+    try:
+        for step in range(4):
+            x, y = batch(rank, step)
+            x.requires_grad_(True)  # reentrant checkpointing needs an input that requires grad
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    except RuntimeError as exc:
+        return str(exc)
+    return params_of(model)
+
+
+@pytest.mark.parametrize("name", SYNC)
+def test_checkpointing_equals_the_plain_model_or_refuses_reentrant(name):
+    nonreentrant = run_workers(_worker_checkpoint, 2, name, True, False)
+    nested_inside = run_workers(_worker_checkpoint, 2, name, False, True)
+    nested_last = run_workers(_worker_checkpoint, 2, name, True, True)
+    # use_reentrant=False: every gradient exists when backward ends; ranks agree
+    for a, b in zip(*nonreentrant):
+        assert torch.equal(a, b)
+    # reentrant, but an outer parameter's gradient comes first: the end of backward is the outer one's
+    for a, b in zip(*nested_inside):
+        assert torch.equal(a, b)
+    # reentrant at the end of the model: refused on every rank, with the fix named
+    for message in nested_last:
+        assert isinstance(message, str) and "use_reentrant=False" in message, message
+
+
+def _worker_checkpoint_reference(rank, world_size, reentrant):
+    model = _Checkpointed(rank, False, reentrant)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    for step in range(4):
+        x, y = batch(rank, step)
+        x.requires_grad_(True)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+    return params_of(model)
+
+
+def test_checkpointing_gradient_allreduce_equals_ddp():
+    ddp = run_workers(_worker_checkpoint_reference, 2, False)
+    for reentrant in (False, True):
+        bagua = run_workers(_worker_checkpoint, 2, "gradient_allreduce", False, reentrant)
+        for rank in range(2):
+            for got, want in zip(bagua[rank], ddp[rank]):
+                assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# -- frozen weights and buffers at wrap time ------------------------------------------------------------------------
+
+
+def _worker_frozen(rank, world_size):
+    model = make_model(rank)  # different weights on every rank
+    model.fc1.weight.requires_grad_(False)
+    model.register_buffer("running", torch.full((3,), float(rank)))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+
+    model.with_bagua([opt], GradientAllReduceAlgorithm())
+    return params_of(model) + [model.running.clone()]
+
+
+def test_frozen_parameters_and_buffers_start_from_rank_zero():
+    results = run_workers(_worker_frozen, 2)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    assert torch.equal(results[0][0], make_model(0).fc1.weight.detach())
+
+
+def _worker_buffer_mismatch(rank, world_size):
+    model = make_model(0)
+    model.register_buffer("stats", torch.zeros(4 if rank == 0 else 5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+
+    try:
+        model.with_bagua([opt], GradientAllReduceAlgorithm())
+    except ValueError as exc:
+        return str(exc)
+    return "wrapped"
+
+
+def test_buffers_that_differ_across_ranks_are_refused_on_every_rank():
+    for message in run_workers(_worker_buffer_mismatch, 2):
+        assert "buffers on rank(s) [1]" in message, message
+
+
+# -- async averaging with two optimizers ----------------------------------------------------------------------------
+
+
+def _worker_async_two_optimizers(rank, world_size):
+    from bagua.torch_api.algorithms.async_model_average import AsyncModelAverageAlgorithm
+
+    model = make_model(rank)
+    first = [model.fc1.weight, model.fc1.bias]
+    rest = [p for p in model.parameters() if all(p is not q for q in first)]
+    opt1, opt2 = torch.optim.SGD(first, lr=0.01), torch.optim.SGD(rest, lr=0.01)
+    model.with_bagua([opt1, opt2], AsyncModelAverageAlgorithm(sync_interval_ms=5))
+    held_between = []
+    for step in range(4):
+        x, y = batch(rank, step)
+        opt1.zero_grad()
+        opt2.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt1.step()
+        held_between.append(model.bagua_algorithm._lock._training)  # a round must not run between the steps
+        opt2.step()
+        held_between.append(not model.bagua_algorithm._lock._training)
+    model.bagua_algorithm.abort(model)
+    return held_between
+
+
+def test_async_weights_stay_locked_until_every_optimizer_stepped():
+    for held in run_workers(_worker_async_two_optimizers, 2):
+        assert all(held), held
+
+
+# -- hierarchical communication on a subgroup whose first rank is not a node's local rank 0 ---------------------------
+
+
+def _worker_hierarchical_subgroup(rank, world_size, name):
+    import bagua.torch_api as bagua
+    from bagua.torch_api.algorithms import Algorithm
+
+    sub = bagua.communication.new_group([1, 2, 3])  # 2 nodes of 2: rank 1 alone on node 0, ranks 2 and 3 on node 1
+    torch.manual_seed(5)
+    model = torch.nn.Linear(4, 3, bias=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model.with_bagua([opt], Algorithm.init(name, hierarchical=True), process_group=sub)
+    grads = []
+    for step in range(2):
+        opt.zero_grad()
+        g = torch.Generator().manual_seed(rank * 11 + step)
+        model(torch.randn(5, 4, generator=g)).sum().backward()
+        grads.append(model.weight.grad.clone())
+        opt.step()
+    return grads
+
+
+def _local_gradient(rank, step):
+    torch.manual_seed(5)
+    model = torch.nn.Linear(4, 3, bias=False)
+    g = torch.Generator().manual_seed(rank * 11 + step)
+    model(torch.randn(5, 4, generator=g)).sum().backward()
+    return model.weight.grad  # the gradient of a linear layer does not depend on its weights
+
+
+@pytest.mark.parametrize("name", ["gradient_allreduce", "bytegrad"])
+def test_hierarchical_on_a_subgroup_agrees_on_every_member(name):
+    results = run_workers(_worker_hierarchical_subgroup, 4, name, local_size=2)
+    for step in range(2):
+        # node 0's mean is rank 1's gradient, node 1's the mean of ranks 2 and 3; the leaders average the nodes
+        g = [_local_gradient(r, step) for r in range(4)]
+        want = (g[1] + (g[2] + g[3]) / 2) / 2
+        for r in (1, 2, 3):
+            assert torch.equal(results[r][step], results[1][step]), (name, r)  # every member agrees exactly
+            assert_close(results[r][step], want, rtol=0, atol=1e-5 if name == "gradient_allreduce" else 0.05)
+        assert torch.equal(results[0][step], g[0])  # rank 0 is not in the group: its gradient stays local
+
+
+# -- re-bucketing keeps low-precision decentralized's replicas consistent -------------------------------------------
+
+
+def _worker_rebucket_low_precision(rank, world_size):
+    from bagua.torch_api.algorithms.decentralized import LowPrecisionDecentralizedAlgorithm
+
+    model = make_model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    model.with_bagua([opt], LowPrecisionDecentralizedAlgorithm(hierarchical=False))
+    ddp = model.bagua_ddp
+
+    def train(steps, start):
+        for step in range(start, start + steps):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+
+    def replicas():
+        impl = ddp.impl
+        out = {}
+        for bucket in ddp.bagua_buckets:
+            r, offset = impl._replicas[bucket.name], 0
+            for t in bucket.tensors:
+                n = t.numel()
+                out[t.name] = (r.mine[offset:offset + n].clone(), r.left[offset:offset + n].clone())
+                offset += n
+        return out
+
+    train(3, 0)
+    names = [t.name for t in ddp._bagua_tensors]
+    ddp._reset_buckets([names[:3], names[3:]])  # what autotune does: the same tensors in other buckets
+    assert len(ddp.bagua_buckets) == 2
+    train(3, 3)
+    return replicas()
+
+
+def test_rebucketing_keeps_the_replicas_consistent():
+    r0, r1 = run_workers(_worker_rebucket_low_precision, 2)
+    for name in r0:
+        # with two ranks each one's left neighbour is the other: its copy of the peer's public replica must be
+        # exactly the replica the peer itself holds
+        assert torch.equal(r0[name][1], r1[name][0]), name
+        assert torch.equal(r1[name][1], r0[name][0]), name
+
+
+# -- autotune proposes only a hierarchical mode the algorithm accepts ------------------------------------------------
+
+
+def test_shift_one_refuses_a_hierarchical_mode_with_an_odd_number_of_nodes():
+    from bagua.torch_api.algorithms.decentralized import DecentralizedAlgorithmImpl
+    from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+
+    # 6 ranks on 3 nodes of 2 (built by hand: the layout is all that decides; no torch group is needed)
+    group = BaguaProcessGroup(list(range(6)), None, "three-nodes")
+    group._layout = [(r // 2, r % 2) for r in range(6)]
+    group._inter = BaguaCommunicator(None, [0, 2, 4])
+    impl = DecentralizedAlgorithmImpl(group, hierarchical=False, peer_selection_mode="shift_one")
+    assert impl.accepts_hierarchical(False) and not impl.accepts_hierarchical(True)
+    assert DecentralizedAlgorithmImpl(group, hierarchical=False).accepts_hierarchical(True)  # "all" takes any count
