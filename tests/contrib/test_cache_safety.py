@@ -195,6 +195,8 @@ def test_records_written_with_raw_lmdb(tmp_path):
 
 
 @pytest.mark.redis
+@pytest.mark.skipif(shutil.which("redis-cli") is None, reason="needs redis-cli (Debian redis-tools, a dependency "
+                    "of redis-server)")
 def test_records_written_with_redis_cli(tmp_path, redis_servers):
     _, hosts = redis_servers(1)
     host = hosts[0]
