@@ -62,16 +62,16 @@ def _host() -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost"
 
 
-def _process_start_time(pid: int) -> Optional[float]:
-    """Wall-clock start time of ``pid`` from ``/proc`` (Linux), ``None`` where unknown."""
+def _process_state(pid: int) -> tuple[Optional[str], Optional[float]]:
+    """State letter and wall-clock start time of ``pid`` from ``/proc`` (Linux); ``None`` where unknown."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
         with open("/proc/stat", "rb") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
-        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+        return fields[0].decode(), boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError, StopIteration):
-        return None
+        return None, None
 
 
 def _writer_alive(pid: int, file_mtime: float) -> bool:
@@ -82,7 +82,9 @@ def _writer_alive(pid: int, file_mtime: float) -> bool:
         return False
     except PermissionError:
         pass  # exists, owned by someone else
-    started = _process_start_time(pid)
+    state, started = _process_state(pid)
+    if state in ("Z", "X"):
+        return False  # killed, not yet reaped by its parent
     # a pid reused by a process that started after the file's last write is not its writer (2 s: /proc rounding)
     return started is None or started <= file_mtime + 2.0
 
