@@ -23,20 +23,21 @@ from tests.contrib.test_cached_dataset import N, Samples
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NBYTES = 4000  # ~100 KiB of samples: a few dozen pages, so a cut can fall inside one
 
-# Reads every sample twice through the cache and checks each against the dataset; prints the counts.
+# Reads every sample twice through the cache at each path and checks each against the dataset; prints the counts.
 _READER = """
 import json, sys, warnings
 import torch
 from bagua.torch_api.contrib import CachedDataset
 from tests.contrib.test_cached_dataset import Samples, _assert_batches_equal
 warnings.simplefilter("always")
-dataset = Samples(nbytes=int(sys.argv[2]))
-cached = CachedDataset(dataset, dataset_name="d", writer_buffer_size=1, path=sys.argv[1])
-for _ in range(2):
-    for i in range(len(dataset)):
-        _assert_batches_equal(cached[i], dataset[i])
-loader = cached.cache_loader
-print(json.dumps({"hits": loader.hits, "misses": loader.misses, "keys": loader.num_keys()}))
+dataset = Samples(nbytes=int(sys.argv[1]))
+for path in sys.argv[2:]:
+    cached = CachedDataset(dataset, dataset_name="d", writer_buffer_size=1, path=path)
+    for _ in range(2):
+        for i in range(len(dataset)):
+            _assert_batches_equal(cached[i], dataset[i])
+    loader = cached.cache_loader
+    print(json.dumps({"hits": loader.hits, "misses": loader.misses, "keys": loader.num_keys()}), flush=True)
 """
 
 # What a plain LMDB reader does with the same file: walks every entry.
@@ -69,61 +70,62 @@ def _data_size(path):
     return os.path.getsize(path / "data.mdb")
 
 
-# (name, where to cut the data file, given its size and page size 4096)
-CUTS = [
-    ("inside the first meta page", lambda size: 100),
-    ("inside the second meta page", lambda size: 4096 + 50),
-    ("in the middle of a data page", lambda size: size // 2 + 123),
-    ("one page short", lambda size: size - 4096),
+def _overwrite_header(data_file):
+    with open(data_file, "r+b") as f:  # a bad restore: another file's bytes over the start
+        f.write(b"\x89PNG\r\n\x1a\n" * 64)
+
+
+# (name, damage done to the data file given its size (page size 4096), what the check must say or None)
+DAMAGES = [
+    ("cut inside the first meta page", lambda f, size: os.truncate(f, 100), "truncated inside its header"),
+    ("cut inside the second meta page", lambda f, size: os.truncate(f, 4096 + 50), "truncated inside its header"),
+    ("cut in the middle of a data page", lambda f, size: os.truncate(f, size // 2 + 123), "truncated: "),
+    ("cut one page short", lambda f, size: os.truncate(f, size - 4096), "truncated: "),
+    ("header overwritten", lambda f, size: _overwrite_header(f), "not an LMDB file"),
+    ("emptied (LMDB starts afresh)", lambda f, size: os.truncate(f, 0), None),
+    ("intact", lambda f, size: None, None),
 ]
 
 
-@pytest.mark.parametrize("name, cut", CUTS, ids=[c[0] for c in CUTS])
-def test_truncated_cache_is_moved_aside_and_rebuilt(tmp_path, full_cache, name, cut):
-    path = tmp_path / "cache.lmdb"
-    shutil.copytree(full_cache, path)
-    size = _data_size(path)
-    os.truncate(path / "data.mdb", cut(size))
-    assert lmdb_file_damage(str(path / "data.mdb")) is not None
-    if cut(size) > 2 * 4096:  # the fault is real: a plain LMDB reader of this file dies of SIGBUS
-        assert _run(_RAW_READER, path).returncode == -signal.SIGBUS
-
-    result = _run(_READER, path, NBYTES)
+def _read(*paths):
+    """Run the reader over ``paths`` in one subprocess; return its per-path counts and stderr."""
+    result = _run(_READER, NBYTES, *paths)
     assert result.returncode == 0, f"reader failed (return code {result.returncode}):\n{result.stderr[-3000:]}"
-    counts = json.loads(result.stdout.strip().splitlines()[-1])
-    assert counts == {"hits": N, "misses": N, "keys": N}  # rebuilt from the dataset, then served from the cache
-    moved = glob.glob(str(path / "data.mdb.damaged-*"))
-    assert len(moved) == 1 and os.path.getsize(moved[0]) == cut(size)  # the broken file, kept for inspection
-    assert f"moved it to {moved[0]}" in result.stderr  # the warning says where
-    assert lmdb_file_damage(str(path / "data.mdb")) is None
-
-    if name == "in the middle of a data page":  # the next run (an elastic restart) reads the rebuilt cache
-        again = _run(_READER, path, NBYTES)
-        assert again.returncode == 0 and json.loads(again.stdout.strip().splitlines()[-1])["hits"] == 2 * N
-        assert len(glob.glob(str(path / "data.mdb.damaged-*"))) == 1
+    return [json.loads(line) for line in result.stdout.strip().splitlines()], result.stderr
 
 
-def test_overwritten_header_is_moved_aside(tmp_path, full_cache):
-    path = tmp_path / "cache.lmdb"
-    shutil.copytree(full_cache, path)
-    with open(path / "data.mdb", "r+b") as f:  # a bad restore: another file's bytes over the start
-        f.write(b"\x89PNG\r\n\x1a\n" * 64)
-    result = _run(_READER, path, NBYTES)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "not an LMDB file" in result.stderr
-    assert len(glob.glob(str(path / "data.mdb.damaged-*"))) == 1
+def test_damaged_cache_is_moved_aside_and_rebuilt(tmp_path, full_cache):
+    paths = []
+    for number, (name, damage, reason) in enumerate(DAMAGES):
+        path = tmp_path / str(number) / "cache.lmdb"
+        shutil.copytree(full_cache, path)
+        size = _data_size(path)
+        damage(path / "data.mdb", size)
+        found = lmdb_file_damage(str(path / "data.mdb"))
+        assert (found is None) if reason is None else (reason in found), (name, found)
+        if reason is not None:  # the fault is real: plain LMDB dies of SIGBUS past the end, or fails to open
+            code = _run(_RAW_READER, path).returncode
+            assert code == -signal.SIGBUS if reason == "truncated: " else code == 1, (name, code)
+        paths.append(path)
 
+    sizes = [_data_size(path) for path in paths]
+    counts, stderr = _read(*paths)  # one process, as a run that opens several caches
+    for path, size, got, (name, _, reason) in zip(paths, sizes, counts, DAMAGES, strict=True):
+        moved = glob.glob(str(path / "data.mdb.damaged-*"))
+        if name == "intact":
+            assert got == {"hits": 2 * N, "misses": 0, "keys": N} and not moved
+            continue
+        assert got == {"hits": N, "misses": N, "keys": N}, name  # rebuilt from the dataset, then served from it
+        if reason is None:
+            assert not moved, name
+            continue
+        assert len(moved) == 1 and os.path.getsize(moved[0]) == size, name  # the broken file, kept aside
+        assert f"moved it to {moved[0]}" in stderr, name  # the warning says where
+        assert lmdb_file_damage(str(path / "data.mdb")) is None, name
 
-def test_empty_and_intact_files_are_kept(tmp_path, full_cache):
-    path = tmp_path / "cache.lmdb"
-    shutil.copytree(full_cache, path)
-    assert lmdb_file_damage(str(path / "data.mdb")) is None
-    result = _run(_READER, path, NBYTES)
-    assert result.returncode == 0 and json.loads(result.stdout.strip().splitlines()[-1])["hits"] == 2 * N
-    os.truncate(path / "data.mdb", 0)  # LMDB starts an empty file afresh: nothing to move
-    assert lmdb_file_damage(str(path / "data.mdb")) is None
-    assert _run(_READER, path, NBYTES).returncode == 0
-    assert not glob.glob(str(path / "data.mdb.damaged-*"))
+    counts, _ = _read(*paths)  # the next run (an elastic restart) reads the rebuilt caches
+    assert [got["hits"] for got in counts] == [2 * N] * len(paths)
+    assert [len(glob.glob(str(p / "data.mdb.damaged-*"))) for p in paths] == [1] * 5 + [0, 0]
 
 
 def test_only_the_sole_opener_checks(tmp_path, full_cache):
@@ -142,8 +144,8 @@ def test_only_the_sole_opener_checks(tmp_path, full_cache):
         assert holder.stdout.readline().strip() == "open"
         with _sole_opener(str(path)) as sole:
             assert not sole
-        result = _run(_READER, path, NBYTES)
-        assert result.returncode == 0 and json.loads(result.stdout.strip().splitlines()[-1])["hits"] == 2 * N
+        counts, _ = _read(path)
+        assert counts[0]["hits"] == 2 * N
         assert not glob.glob(str(path / "data.mdb.damaged-*"))
     finally:
         holder.kill()
