@@ -44,6 +44,8 @@ def check_private(path: str, what: str = "cache directory") -> None:
         >>> import tempfile
         >>> check_private(tempfile.mkdtemp())
     """
+    if not hasattr(os, "geteuid"):
+        return  # Windows: no POSIX owner and mode bits to check
     info = os.stat(path)
     me = os.geteuid()
     if info.st_uid != me:
