@@ -20,7 +20,7 @@ import lmdb
 import pytest
 import torch
 
-from bagua.torch_api.contrib import CacheLoader, CachedDataset
+from bagua.torch_api.contrib import CachedDataset
 from bagua.torch_api.contrib.utils.fingerprint import dataset_fingerprint
 from bagua.torch_api.contrib.utils.serialization import decode, encode
 from tests.contrib.test_cached_dataset import N, Samples, _assert_batches_equal
