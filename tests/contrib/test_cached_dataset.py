@@ -168,7 +168,8 @@ def test_spawned_redis_backend_end_to_end():
         cached.cache_loader.store.shutdown()
 
 
-def test_validation(tmp_path):
+def test_validation(tmp_path, monkeypatch):
+    monkeypatch.setenv("BAGUA_CACHE_DIR", str(tmp_path / "default"))  # the default directory, out of $HOME
     with pytest.raises(ValueError, match="available: \\['lmdb', 'redis'\\]"):
         CacheLoader(backend="memcached")
     with pytest.raises(ValueError, match="writer_buffer_size"):
