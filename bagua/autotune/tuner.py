@@ -23,6 +23,7 @@ import json
 import math
 import os
 import tempfile
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -273,12 +274,40 @@ def save_tune(path: str, result: TuneResult) -> None:
 
 def load_tune(path: str, model_signature: Optional[str] = None,
               cluster_signature: Optional[str] = None) -> Optional[TuneResult]:
-    """Read a tune saved by :func:`save_tune`; ``None`` when missing or saved for another model or cluster."""
+    """Read a tune saved by :func:`save_tune`; ``None`` when missing or saved for another model or cluster.
+
+    A file that is not a saved tune (truncated by a full disk, overwritten, hand-edited) is ignored with a
+    ``RuntimeWarning`` that names it, so tuning starts afresh and its result replaces the file.
+
+    Args:
+        path: the JSON file.
+        model_signature: when given, a tune saved for another model counts as missing.
+        cluster_signature: when given, a tune saved for another cluster counts as missing.
+
+    Returns:
+        The saved :class:`TuneResult`, or ``None``.
+
+    Example:
+        >>> load_tune("/nonexistent/tune.json") is None
+        True
+    """
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        data = json.load(f)
-    result = TuneResult(**{**data, "best": Hyperparameters(**data["best"])})
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        result = TuneResult(**{**data, "best": Hyperparameters(**data["best"])})
+        # a well-formed JSON of the wrong shape must not reach the controller either
+        if not isinstance(result.tensor_order, list) or not all(isinstance(n, str) for n in result.tensor_order):
+            raise TypeError("tensor_order is not a list of names")
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0
+                   for v in (result.best.bucket_size, result.best.num_streams)):
+            raise TypeError("bucket_size and num_streams must be positive integers")
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as error:
+        # ValueError covers json.JSONDecodeError and UnicodeDecodeError
+        warnings.warn(f"ignoring the saved autotune file {path}: it is not a saved tune ({type(error).__name__}: "
+                      f"{error}); tuning starts afresh and will overwrite it", RuntimeWarning, stacklevel=2)
+        return None
     if model_signature is not None and result.model_signature != model_signature:
         return None
     if cluster_signature is not None and result.cluster_signature != cluster_signature:

@@ -202,10 +202,14 @@ def get_comm_timeout_s() -> float:
 
 
 def get_cache_dir() -> str:
-    """Directory for node-local files such as the embedded dataset cache (``BAGUA_CACHE_DIR``)."""
-    import tempfile
+    """Directory for node-local files such as the embedded dataset cache (``BAGUA_CACHE_DIR``).
 
-    return get_str("BAGUA_CACHE_DIR", os.path.join(tempfile.gettempdir(), "bagua-cache"))
+    The default is per user: ``$XDG_CACHE_HOME/bagua``, else ``~/.cache/bagua`` (a shared temporary directory
+    would let other users plant samples, and let two users' jobs read each other's).
+    """
+    xdg = get_str("XDG_CACHE_HOME")
+    base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+    return get_str("BAGUA_CACHE_DIR", os.path.join(base, "bagua"))
 
 
 def is_launched() -> bool:

@@ -147,3 +147,39 @@ def test_choose_streams_measures_each_count(tmp_path):
     assert {hp.bucket_size for _, _, hp, _ in applied} == {10 * 2**20}
     assert applied[-1][2].num_streams == streams
     assert results[1][1] == applied and results[1][2] == streams
+
+
+def _worker_corrupt_tune_file(rank, world_size, tune_file):
+    import warnings
+
+    import bagua.autotune as autotune
+    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+
+    model = make_model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    model.with_bagua([opt], GradientAllReduceAlgorithm())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ctl = autotune.attach(model, max_samples=2, warmup_time_s=0.0, sampling_confidence_time_s=0.0,
+                              settle_steps=1, min_window_steps=2, space=autotune.TuneSpace((8, 13)), seed=0,
+                              tune_file=tune_file)
+    started_afresh = not ctl.finished
+    iters = 0
+    while not ctl.finished and iters < MAX_ITERS:
+        _iterate(model, opt, rank, iters)
+        iters += 1
+    return started_afresh, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)], ctl.current
+
+
+def test_corrupt_tune_file_is_ignored_and_tuning_starts_afresh(tmp_path):
+    import bagua.autotune as autotune
+
+    tune_file = tmp_path / "tune.json"
+    tune_file.write_bytes(b'{"model_signature": "\x00 half a file')  # what a full disk leaves behind
+    results = run_workers(_worker_corrupt_tune_file, 2, str(tune_file), timeout=120)
+    (fresh0, warned0, current0), (fresh1, warned1, current1) = results
+    assert fresh0 and fresh1
+    assert any(f"ignoring the saved autotune file {tune_file}" in m for m in warned0)  # rank 0 reads the file
+    assert current0 == current1
+    saved = autotune.load_tune(str(tune_file))  # replaced by the new tune
+    assert saved is not None and saved.best == current0

@@ -99,6 +99,22 @@ def test_saved_tune_round_trip(tmp_path):
     assert load_tune(str(tmp_path / "missing.json")) is None
 
 
+@pytest.mark.parametrize("garbage", [b"", b"\x00\xff\xfe garbage", b'{"model_signature": "m1", "best": {"bucket_',
+                                     b'[1, 2, 3]', b'{"model_signature": "m1"}',
+                                     b'{"model_signature": "m1", "cluster_signature": "c1", "best": {"bucket_size": '
+                                     b'"big"}, "best_score": 1, "default_score": 1}'])
+def test_corrupt_saved_tune_is_ignored_with_a_warning(tmp_path, garbage):
+    path = tmp_path / "tune.json"
+    result = TuneResult("m1", "c1", Hyperparameters(2**20, True, 2), 123.5, 100.0)
+    save_tune(str(path), result)
+    path.write_bytes(garbage)  # the real file, as a full disk or a bad edit leaves it
+    with pytest.warns(RuntimeWarning, match=f"ignoring the saved autotune file {path}") as record:
+        assert load_tune(str(path), "m1", "c1") is None
+    assert len(record) == 1 and "tuning starts afresh" in str(record[0].message)
+    save_tune(str(path), result)  # the next finished tune replaces it
+    assert load_tune(str(path), "m1", "c1") == result
+
+
 def test_log_and_plot(tmp_path):
     log = AutotuneLog(str(tmp_path / "log.csv"))
     log.write(Hyperparameters(10 * 2**20), 50.0, train_iter=10, trial=0, kind="default", steps=5, window_s=1.0)

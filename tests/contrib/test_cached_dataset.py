@@ -68,7 +68,9 @@ def test_values_match_and_second_epoch_reads_only_the_cache(backend, tmp_path, r
         _assert_batches_equal(got, expected)
     assert cached.cache_loader.num_keys() == N
     # new worker processes over a dataset that may not be read: every sample must come from the shared cache
-    from_cache = CachedDataset(Samples(forbidden=True), backend=backend, dataset_name="mixed", **kwargs)
+    forbidden = Samples()
+    from_cache = CachedDataset(forbidden, backend=backend, dataset_name="mixed", **kwargs)
+    forbidden.forbidden = True  # after fingerprinting: the same dataset, which may no longer be read
     for got, expected in zip(DataLoader(from_cache, batch_size=4, num_workers=2), reference, strict=True):
         _assert_batches_equal(got, expected)
     for i in (0, 7, N - 1):  # single-item path too, in this process
@@ -166,7 +168,8 @@ def test_spawned_redis_backend_end_to_end():
         cached.cache_loader.store.shutdown()
 
 
-def test_validation(tmp_path):
+def test_validation(tmp_path, monkeypatch):
+    monkeypatch.setenv("BAGUA_CACHE_DIR", str(tmp_path / "default"))  # the default directory, out of $HOME
     with pytest.raises(ValueError, match="available: \\['lmdb', 'redis'\\]"):
         CacheLoader(backend="memcached")
     with pytest.raises(ValueError, match="writer_buffer_size"):

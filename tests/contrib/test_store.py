@@ -95,8 +95,8 @@ def test_lmdb_validation(tmp_path):
         LmdbStore(str(tmp_path), map_size=0)
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(StoreError):
-        LmdbStore(str(blocker / "db")).get("k")
+    with pytest.raises(NotADirectoryError, match="db"):  # at construction, not at the first read
+        LmdbStore(str(blocker / "db"))
 
 
 # ------------------------------------------------------------------------------------------------- sharding

@@ -7,8 +7,15 @@ Layout under ``checkpoints_path``::
 
 Every file is written to a temporary name in the same directory, flushed to disk, then renamed over the final
 name, and the tracker is updated only after the checkpoint itself is complete: a crash while saving leaves the
-previous checkpoint as "latest", never a corrupt one. Loading uses ``torch.load(weights_only=True)``, which
-refuses to run code from the file.
+previous checkpoint as "latest", never a corrupt one. A temporary name carries its writer's host and pid
+(``.tmp-<host>-<pid>-<random>``); the next save removes the temporary files of writers that are dead on this
+host (a SIGKILL during ``torch.save`` leaves one behind), never one a live process is still writing. Loading uses
+``torch.load(weights_only=True)``, which refuses to run code from the file.
+
+Loading is a collective when ``torch.distributed`` is initialized: every rank reads its own tracker (ranks need
+not share a filesystem), the ranks exchange what they found, and every rank loads the same iteration, the oldest
+"latest" among them, or every rank raises the same error naming the ranks that lack it. No rank waits for another
+that has already failed.
 
 Example:
     >>> save_checkpoint(step, "ckpt", model, optimizer)  # doctest: +SKIP
@@ -18,15 +25,26 @@ Example:
 from __future__ import annotations
 
 import os
+import re
+import socket
 import tempfile
+import time
+import warnings
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["save_checkpoint", "load_checkpoint", "get_checkpoint_name", "TRACKER_FILENAME"]
+__all__ = ["save_checkpoint", "load_checkpoint", "get_checkpoint_name", "TRACKER_FILENAME", "STALE_TMP_AGE_S"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
+#: A temporary file whose writer cannot be checked (another host, or an older name) is removed once it is this old.
+STALE_TMP_AGE_S = 24 * 3600.0
+
+_TMP_PREFIX = ".tmp-"
+_TMP_NAME = re.compile(r"^\.tmp-(?P<host>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-")
+# what load_checkpoint's ranks exchange besides an iteration number (>= 0)
+_NONE, _RELEASE, _UNREADABLE = -1, -2, -3
 
 
 def get_checkpoint_name(checkpoints_path: str, iteration: int, release: bool = False) -> str:
@@ -40,10 +58,75 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model.module if isinstance(getattr(model, "module", None), torch.nn.Module) else model
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost"
+
+
+def _process_state(pid: int) -> tuple[Optional[str], Optional[float]]:
+    """State letter and wall-clock start time of ``pid`` from ``/proc`` (Linux); ``None`` where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        with open("/proc/stat", "rb") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith(b"btime "))
+        return fields[0].decode(), boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError, StopIteration):
+        return None, None
+
+
+def _writer_alive(pid: int, file_mtime: float) -> bool:
+    """Whether process ``pid`` of this host may still be writing a file last modified at ``file_mtime``."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # exists, owned by someone else
+    state, started = _process_state(pid)
+    if state in ("Z", "X"):
+        return False  # killed, not yet reaped by its parent
+    # a pid reused by a process that started after the file's last write is not its writer (2 s: /proc rounding)
+    return started is None or started <= file_mtime + 2.0
+
+
+def _remove_stale_tmp_files(directory: str, now: Optional[float] = None) -> list[str]:
+    """Remove the temporary files in ``directory`` whose writers are gone; return their paths.
+
+    A file named by a process of this host is removed when that process is dead; any other temporary file once
+    it is :data:`STALE_TMP_AGE_S` old. A file a live process is writing is never removed.
+    """
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(_TMP_PREFIX)]
+    except OSError:
+        return removed
+    host = _host()
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            continue  # renamed or removed meanwhile
+        match = _TMP_NAME.match(name)
+        if match and match["host"] == host and int(match["pid"]) != os.getpid():
+            stale = not _writer_alive(int(match["pid"]), mtime)
+        else:
+            stale = now - mtime > STALE_TMP_AGE_S
+        if stale:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except OSError:
+                pass  # another cleaner was first
+    return removed
+
+
 def _atomic_write(path: str, write: Any) -> None:
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    _remove_stale_tmp_files(directory)
+    fd, tmp = tempfile.mkstemp(prefix=f"{_TMP_PREFIX}{_host()}-{os.getpid()}-", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -85,8 +168,12 @@ def save_checkpoint(
         model: the model (a Bagua- or torch-DDP-wrapped model is unwrapped).
         optimizer: optional optimizer whose ``state_dict`` is saved.
         lr_scheduler: optional LR scheduler whose ``state_dict`` is saved.
+
+    Example:
+        >>> save_checkpoint(100, "ckpt", model, optimizer)  # doctest: +SKIP
     """
     if _is_writer():
+        _remove_stale_tmp_files_under(checkpoints_path)
         state = {
             "iteration": iteration,
             "model": _unwrap(model).state_dict(),
@@ -99,6 +186,86 @@ def save_checkpoint(
     _barrier()
 
 
+def _remove_stale_tmp_files_under(checkpoints_path: str) -> None:
+    """Sweep the checkpoint directory and its iteration directories, where earlier crashed saves left files."""
+    if not os.path.isdir(checkpoints_path):
+        return
+    _remove_stale_tmp_files(checkpoints_path)
+    for name in os.listdir(checkpoints_path):
+        if re.fullmatch(r"iter_\d{7,}|release", name) and os.path.isdir(os.path.join(checkpoints_path, name)):
+            _remove_stale_tmp_files(os.path.join(checkpoints_path, name))
+
+
+def _read_tracker(tracker: str) -> tuple[int, str]:
+    """This rank's latest checkpoint: an iteration, ``_NONE``, ``_RELEASE`` or ``_UNREADABLE``, and the text."""
+    if not os.path.isfile(tracker):
+        return _NONE, ""
+    try:
+        with open(tracker, encoding="utf-8") as f:
+            text = f.read().strip()
+    except (OSError, UnicodeDecodeError) as error:
+        return _UNREADABLE, str(error)
+    if text == "release":
+        return _RELEASE, text
+    return (int(text), text) if text.isascii() and text.isdigit() else (_UNREADABLE, text)
+
+
+def _all_gather_ints(value: int) -> list[int]:
+    """Every rank's ``value``, in rank order (a fixed-size tensor: nothing is pickled)."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [int(t.item()) for t in out]
+
+
+def _ranks(flags: list[int], wanted: Any) -> list[int]:
+    return [r for r, v in enumerate(flags) if wanted(v)]
+
+
+def _agree_on_iteration(latest: int, text: str, tracker: str) -> int:
+    """Collective: the iteration every rank loads (or ``_NONE``/``_RELEASE``); the same error on every rank."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        if latest == _UNREADABLE:
+            raise ValueError(f"{tracker} holds {text!r}; expected an iteration number or 'release'")
+        return latest
+    everyone = _all_gather_ints(latest)
+    rank = dist.get_rank()
+    unreadable = _ranks(everyone, lambda v: v == _UNREADABLE)
+    if unreadable:
+        mine = f" (this rank's {tracker} holds {text!r})" if rank in unreadable else ""
+        raise ValueError(f"load_checkpoint: the tracker file of rank(s) {unreadable} holds neither an iteration "
+                         f"number nor 'release'{mine}; fix or remove it there")
+    if all(v == _NONE for v in everyone):
+        return _NONE
+    missing = _ranks(everyone, lambda v: v == _NONE)
+    if missing:
+        raise FileNotFoundError(
+            f"load_checkpoint: rank(s) {missing} have no checkpoint under their checkpoints_path while rank(s) "
+            f"{_ranks(everyone, lambda v: v != _NONE)} do (this rank reads {tracker}). Without a shared filesystem "
+            "only rank 0 writes checkpoints: put checkpoints_path on a filesystem every node sees, or copy the "
+            "checkpoint to every node, or remove it everywhere to start afresh")
+    if any(v == _RELEASE for v in everyone):
+        if all(v == _RELEASE for v in everyone):
+            return _RELEASE
+        raise ValueError(f"load_checkpoint: rank(s) {_ranks(everyone, lambda v: v == _RELEASE)} point to the "
+                         f"'release' checkpoint, the others to iterations {sorted(set(everyone) - {_RELEASE})}; "
+                         "give every rank the same checkpoint")
+    target = min(everyone)
+    lacking = _ranks(_all_gather_ints(int(not os.path.isfile(get_checkpoint_name(os.path.dirname(tracker), target)))),
+                     lambda v: v == 1)
+    if lacking:
+        raise FileNotFoundError(
+            f"load_checkpoint: the ranks' latest iterations are {everyone}; rank(s) {lacking} lack iteration "
+            f"{target}, the newest one every rank could load. Put checkpoints_path on a filesystem every node sees, "
+            "or copy the same checkpoint to every node")
+    if latest != target:
+        warnings.warn(f"load_checkpoint: this rank's latest checkpoint is iteration {latest}, but rank(s) "
+                      f"{_ranks(everyone, lambda v: v == target)} only have up to {target}; every rank loads "
+                      f"{target}", RuntimeWarning, stacklevel=3)
+    return target
+
+
 def load_checkpoint(
     checkpoints_path: str,
     model: torch.nn.Module,
@@ -108,27 +275,51 @@ def load_checkpoint(
 ) -> int:
     """Load the latest checkpoint into ``model`` (and optimizer, scheduler); return its iteration (0 if none).
 
+    Collective when ``torch.distributed`` is initialized: the ranks agree on one iteration (the oldest of their
+    latest ones; see the module docstring) before any of them reads a file, and a rank that fails to load makes
+    every rank raise.
+
+    Args:
+        checkpoints_path: directory of the checkpoints (this rank's view of it).
+        model: the model to load into (a Bagua- or torch-DDP-wrapped model is unwrapped).
+        optimizer: optional optimizer to restore.
+        lr_scheduler: optional LR scheduler to restore.
+        strict: passed to ``load_state_dict`` of the model.
+
+    Returns:
+        The iteration loaded, 0 when no rank has a checkpoint.
+
     Raises:
-        ValueError: the tracker file holds neither an iteration number nor ``release``.
+        ValueError: a tracker file holds neither an iteration number nor ``release``, or ranks disagree on
+            ``release``.
+        FileNotFoundError: some ranks lack the checkpoint the others would load (the message names them).
+        RuntimeError: loading failed on some rank (every rank raises, naming it).
+
+    Example:
+        >>> start = load_checkpoint("ckpt", model, optimizer)  # doctest: +SKIP
     """
     tracker = os.path.join(checkpoints_path, TRACKER_FILENAME)
-    if not os.path.isfile(tracker):
+    target = _agree_on_iteration(*_read_tracker(tracker), tracker)
+    if target == _NONE:
         return 0
-    with open(tracker, encoding="utf-8") as f:
-        text = f.read().strip()
-    release = text == "release"
-    if not release:
-        try:
-            iteration = int(text)
-        except ValueError:
-            raise ValueError(f"{tracker} holds {text!r}; expected an iteration number or 'release'") from None
-    else:
-        iteration = 0
-    state = torch.load(get_checkpoint_name(checkpoints_path, iteration, release), map_location="cpu", weights_only=True)
-    _unwrap(model).load_state_dict(state["model"], strict=strict)
-    if optimizer is not None and state.get("optimizer") is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    if lr_scheduler is not None and state.get("lr_scheduler") is not None:
-        lr_scheduler.load_state_dict(state["lr_scheduler"])
-    _barrier()
+    release = target == _RELEASE
+    iteration = 0 if release else target
+    error: Optional[BaseException] = None
+    try:
+        state = torch.load(get_checkpoint_name(checkpoints_path, iteration, release), map_location="cpu",
+                           weights_only=True)
+        _unwrap(model).load_state_dict(state["model"], strict=strict)
+        if optimizer is not None and state.get("optimizer") is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        if lr_scheduler is not None and state.get("lr_scheduler") is not None:
+            lr_scheduler.load_state_dict(state["lr_scheduler"])
+    except Exception as caught:  # noqa: BLE001 - reported to every rank below, then re-raised here
+        error = caught
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            raise
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failed = _ranks(_all_gather_ints(int(error is not None)), lambda v: v == 1)
+        if failed:
+            raise RuntimeError(f"load_checkpoint: loading iteration {target} failed on rank(s) {failed}"
+                               + (f": {error}" if error is not None else "")) from error
     return int(state.get("iteration", iteration))

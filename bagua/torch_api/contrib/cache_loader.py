@@ -27,6 +27,7 @@ import time
 import warnings
 from typing import Any, Callable, Hashable, Optional, Sequence, Union
 
+from bagua.torch_api.contrib.utils.fingerprint import Fingerprint
 from bagua.torch_api.contrib.utils.serialization import CorruptEntryError, decode, encode
 from bagua.torch_api.contrib.utils.store import Store, StoreError, StoreFullError
 
@@ -36,7 +37,7 @@ __all__ = ["CacheLoader", "BACKENDS"]
 BACKENDS = ("lmdb", "redis")
 
 
-def _make_store(backend: Union[str, Store], dataset_name: str, kwargs: dict) -> Store:
+def _make_store(backend: Union[str, Store], dataset_name: str, fingerprinted: bool, kwargs: dict) -> Store:
     if isinstance(backend, Store):
         if kwargs:
             raise ValueError(f"options {sorted(kwargs)} only apply to a named backend, not to a Store instance")
@@ -44,15 +45,18 @@ def _make_store(backend: Union[str, Store], dataset_name: str, kwargs: dict) -> 
     if backend == "lmdb":
         from bagua.torch_api import env
         from bagua.torch_api.contrib.utils.lmdb_store import LmdbStore
+        from bagua.torch_api.contrib.utils.private_dir import ensure_private_dir
 
         if "path" not in kwargs:
-            if not dataset_name:
+            if not dataset_name and not fingerprinted:
                 warnings.warn(
                     "the LMDB cache persists across runs under BAGUA_CACHE_DIR and is shared by name; give each "
-                    "dataset a distinct dataset_name (or path=) so that two datasets never read each other's samples",
+                    "function a distinct dataset_name or fingerprint= (or path=) so that two never read each "
+                    "other's values",
                     stacklevel=4,
                 )
-            kwargs = {**kwargs, "path": os.path.join(env.get_cache_dir(), f"{dataset_name or 'default'}.lmdb")}
+            root = ensure_private_dir(env.get_cache_dir())  # per user, 0700; refused if others can write it
+            kwargs = {**kwargs, "path": os.path.join(root, f"{dataset_name or 'default'}.lmdb")}
         return LmdbStore(**kwargs)
     if backend == "redis":
         from bagua.torch_api.contrib.utils.redis_store import RedisStore
@@ -67,10 +71,14 @@ class CacheLoader:
     Args:
         backend: ``"lmdb"`` (default: embedded, node-local, shared by every process of the node), ``"redis"``, or a
             :class:`~bagua.torch_api.contrib.utils.store.Store`.
-        dataset_name: prefix of every key (``"{dataset_name}_{key}"``) and, for LMDB, the name of the database
-            directory under ``BAGUA_CACHE_DIR``; give each dataset its own.
+        dataset_name: prefix of every key and, for LMDB, the name of the database directory under
+            ``BAGUA_CACHE_DIR`` (default ``~/.cache/bagua``); give each dataset its own.
         writer_buffer_size: new values :meth:`get` buffers before one batched write (``get_many`` writes per call).
         retry_after_s: seconds the store is left alone after a fault.
+        fingerprint: what fills the cache (a string such as a version, or a
+            :class:`~bagua.torch_api.contrib.utils.fingerprint.Fingerprint`); its hash goes into every key
+            (``"{dataset_name}_{hash}_{key}"``), so values stored under another fingerprint are misses. ``None``
+            keeps the original keys ``"{dataset_name}_{key}"``. ``CachedDataset`` passes the dataset's.
         **kwargs: backend options: LMDB ``path``, ``map_size``, ``max_readers``; Redis ``hosts``, ``cluster_mode``,
             ``capacity_per_node``, ``maxmemory_policy``, ``bind``, ``socket_timeout``.
 
@@ -84,6 +92,7 @@ class CacheLoader:
         dataset_name: str = "",
         writer_buffer_size: int = 1,
         retry_after_s: float = 10.0,
+        fingerprint: Union[str, Fingerprint, None] = None,
         **kwargs: Any,
     ) -> None:
         if writer_buffer_size < 1:
@@ -95,8 +104,10 @@ class CacheLoader:
         self.dataset_name = dataset_name
         self.writer_buffer_size = writer_buffer_size
         self.retry_after_s = retry_after_s
+        self.fingerprint = Fingerprint.of(fingerprint) if isinstance(fingerprint, str) else fingerprint
         # internal state: the store, this process's pending writes and fault bookkeeping
-        self.store = _make_store(backend, dataset_name, dict(kwargs))
+        self.store = _make_store(backend, dataset_name, fingerprint is not None, dict(kwargs))
+        self._prefix = f"{dataset_name}_" if fingerprint is None else f"{dataset_name}_{self.fingerprint.digest}_"
         self._pending: dict[str, bytes] = {}
         self._finalizer_pid = -1
         self._reads_blocked_until = 0.0
@@ -140,6 +151,11 @@ class CacheLoader:
         self.flush()
         return values
 
+    def key(self, key: Hashable) -> str:
+        """The store key of ``key``: ``"{dataset_name}_{fingerprint hash}_{key}"`` (without a fingerprint,
+        ``"{dataset_name}_{key}"``)."""
+        return f"{self._prefix}{key}"
+
     def num_keys(self) -> int:
         """Number of keys in the store (every dataset sharing it counted); pending writes are not."""
         return self.store.num_keys()
@@ -164,7 +180,7 @@ class CacheLoader:
     # ---------------------------------------------------------------------------------------------- internals
 
     def _lookup(self, keys: list, load_fn: Callable[[Any], Any]) -> list:
-        names = [f"{self.dataset_name}_{key}" for key in keys]
+        names = [self.key(key) for key in keys]
         out = []
         for key, name, raw in zip(keys, names, self._read(names)):
             value = self._decoded(name, raw)

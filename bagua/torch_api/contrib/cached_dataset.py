@@ -16,11 +16,12 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from torch.utils.data import Dataset
 
 from bagua.torch_api.contrib.cache_loader import CacheLoader
+from bagua.torch_api.contrib.utils.fingerprint import dataset_fingerprint
 from bagua.torch_api.contrib.utils.store import Store
 
 __all__ = ["CachedDataset"]
@@ -33,9 +34,13 @@ class CachedDataset(Dataset):
         dataset: a map-style dataset (``__getitem__`` and ``__len__``); its samples must be tensors, numpy arrays,
             plain Python values, or lists/tuples/dicts of these.
         backend: ``"lmdb"`` (default), ``"redis"`` or a :class:`~bagua.torch_api.contrib.utils.store.Store`.
-        dataset_name: the cache namespace; give every dataset (and every preprocessing variant) its own.
+        dataset_name: the cache namespace (and, for LMDB, the database's directory name).
         writer_buffer_size: new samples buffered before one batched write, when samples are read one by one
             (a ``DataLoader`` with ``batch_size`` reads and writes whole batches instead).
+        version: names the data; with the dataset's class and transforms it makes the fingerprint that every key
+            carries (:mod:`~bagua.torch_api.contrib.utils.fingerprint`), so a changed dataset or another job's
+            dataset is a cache miss, never a wrong sample. ``None`` derives it from the dataset's length and
+            plain attributes. Change it to invalidate the cache (e.g. when files change under the same path).
         **kwargs: backend options, as for :class:`~bagua.torch_api.contrib.CacheLoader`.
 
     Example:
@@ -49,12 +54,15 @@ class CachedDataset(Dataset):
         backend: Union[str, Store] = "lmdb",
         dataset_name: str = "",
         writer_buffer_size: int = 20,
+        version: Optional[str] = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         self.dataset = dataset
+        self.fingerprint = dataset_fingerprint(dataset, version)
         self.cache_loader = CacheLoader(
-            backend=backend, dataset_name=dataset_name, writer_buffer_size=writer_buffer_size, **kwargs
+            backend=backend, dataset_name=dataset_name, writer_buffer_size=writer_buffer_size,
+            fingerprint=self.fingerprint, **kwargs
         )
 
     def _load(self, index: Any) -> Any:

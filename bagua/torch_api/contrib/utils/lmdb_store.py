@@ -16,7 +16,16 @@ Three LMDB rules shape this module:
   reopen lazily. A handle seen in a process that did not open it (a fork that bypassed the hooks) is never used:
   the store reports a fault instead;
 - the map has a fixed maximum size (``map_size``); a write that does not fit raises :class:`StoreFullError`
-  and commits nothing.
+  and commits nothing;
+- a data file shorter than its last committed page (a full disk, a killed copy, a bad restore) must never be
+  mapped: touching a page past the end of the file raises SIGBUS, which kills the process (and every elastic
+  restart after it). So the first process to open an environment, the one that finds no other process using it,
+  checks the file's header and length against LMDB's meta pages (without mapping it) and catches LMDB's own
+  "invalid"/"corrupted" errors; a damaged file is renamed aside (``data.mdb.damaged-<time>-<pid>``), a
+  ``RuntimeWarning`` says where, and the cache starts empty, so samples are recomputed from the dataset.
+
+The directory and its files must belong to the user and not be writable by group or others
+(:mod:`~bagua.torch_api.contrib.utils.private_dir`): whoever writes the cache chooses the samples read from it.
 
 Example:
     >>> import tempfile
@@ -29,10 +38,16 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import os
+import struct
 import threading
+import time
+import warnings
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
+from bagua.torch_api.contrib.utils.private_dir import ensure_private_dir
 from bagua.torch_api.contrib.utils.store import Store, StoreError, StoreFullError
 
 try:
@@ -40,7 +55,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only without the extra
     lmdb = None
 
-__all__ = ["LmdbStore", "DEFAULT_MAP_SIZE"]
+__all__ = ["LmdbStore", "DEFAULT_MAP_SIZE", "lmdb_file_damage"]
 
 #: Address space reserved per dataset; the file only grows as entries are written. Pass ``map_size`` to change it.
 DEFAULT_MAP_SIZE = 64 * 1024**3
@@ -61,6 +76,108 @@ def _close_before_fork() -> None:
 
 def _release_after_fork() -> None:
     _LOCK.release()
+
+
+# LMDB 0.9's on-disk meta page (lmdb.h / mdb.c, MDB_DATA_VERSION 1), native layout: the page header (pgno, pad,
+# flags, lower/upper), then magic, version, address, mapsize, two MDB_db records (the first one's md_pad is the
+# page size), the last used page and the transaction id. Both meta pages (pages 0 and 1) must be valid, as
+# mdb_env_read_header requires; the one with the larger transaction id is current.
+_META = struct.Struct("@NHHI" "IIPN" + "IHHNNNNN" * 2 + "NN")
+_P_META, _MAGIC, _DATA_VERSION = 0x08, 0xBEEFC0DE, 1
+_DATA, _LOCK_FILE = "data.mdb", "lock.mdb"
+
+
+def lmdb_file_damage(data_file: str) -> Optional[str]:
+    """Why ``data_file`` (an LMDB ``data.mdb``) cannot be mapped safely, or ``None`` when it can (or is absent).
+
+    Reads the two meta pages with plain reads (never a memory map) and checks their magic, version and page size,
+    and that the file reaches the end of the last committed page.
+
+    Args:
+        data_file: path of the data file.
+
+    Returns:
+        A short reason, or ``None``.
+
+    Example:
+        >>> lmdb_file_damage("/nonexistent/data.mdb") is None
+        True
+    """
+    try:
+        size = os.path.getsize(data_file)
+        if size == 0:
+            return None  # LMDB initializes an empty file as a new database
+        with open(data_file, "rb") as f:
+            metas = []
+            offset = 0
+            for _ in range(2):
+                f.seek(offset)
+                raw = f.read(_META.size)
+                if len(raw) < _META.size:
+                    return f"truncated inside its header ({size} bytes)"
+                fields = _META.unpack(raw)
+                flags, magic, version, page_size = fields[2], fields[4], fields[5], fields[8]
+                if not flags & _P_META or magic != _MAGIC:
+                    return "not an LMDB file, or its header is overwritten"
+                if version != _DATA_VERSION:
+                    return f"LMDB data version {version}, expected {_DATA_VERSION}"
+                if page_size < 512 or page_size > 65536 or page_size & (page_size - 1):
+                    return f"a header with an impossible page size {page_size}"
+                metas.append((fields[-1], fields[-2], page_size))  # (txnid, last page, page size)
+                offset = page_size
+    except OSError as error:
+        if error.errno == errno.ENOENT:
+            return None
+        return f"unreadable ({error})"
+    _, last_page, page_size = max(metas)
+    needed = (last_page + 1) * page_size
+    if size < needed:
+        return f"truncated: {size} bytes, but its last committed page ends at byte {needed}"
+    return None
+
+
+# LMDB errors that mean the files are not a usable database (as opposed to a full map or too many readers)
+_DAMAGE_ERRORS = tuple(getattr(lmdb, n) for n in ("InvalidError", "CorruptedError", "VersionMismatchError",
+                                                   "PageNotFoundError", "PanicError")) if lmdb else ()
+
+
+@contextlib.contextmanager
+def _sole_opener(path: str) -> Iterator[bool]:
+    """Serialize openers of ``path`` across processes; yield whether no process has the environment open.
+
+    Every open LMDB environment holds a shared ``fcntl`` lock on byte 0 of its lock file (``mdb_env_excl_lock``),
+    so an exclusive lock on that byte succeeds only when no process uses the database. Openers first take an
+    exclusive ``flock`` on the directory, so two of them never check and rename at once.
+    """
+    dir_fd = os.open(path, os.O_RDONLY)
+    try:
+        fcntl.flock(dir_fd, fcntl.LOCK_EX)
+        sole = True
+        try:
+            lock_fd = os.open(os.path.join(path, _LOCK_FILE), os.O_RDWR)
+        except FileNotFoundError:
+            lock_fd = None
+        if lock_fd is not None:
+            try:
+                fcntl.lockf(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+            except OSError:
+                sole = False
+            finally:
+                os.close(lock_fd)  # drops our fcntl lock; this process has no environment open on it yet
+        yield sole
+    finally:
+        os.close(dir_fd)  # releases the flock
+
+
+def _move_aside(path: str, reason: str) -> None:
+    suffix = f".damaged-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}"
+    moved = os.path.join(path, _DATA + suffix)
+    os.replace(os.path.join(path, _DATA), moved)
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(os.path.join(path, _LOCK_FILE), os.path.join(path, _LOCK_FILE + suffix))
+    warnings.warn(f"the LMDB cache file {os.path.join(path, _DATA)} is damaged ({reason}); moved it to {moved} "
+                  "and started an empty cache: samples are recomputed from the dataset. Delete the moved file "
+                  "when you no longer need it", RuntimeWarning, stacklevel=2)
 
 
 if hasattr(os, "register_at_fork"):
@@ -89,7 +206,7 @@ class LmdbStore(Store):
             raise ValueError(f"map_size={map_size} must be a positive number of bytes, e.g. {DEFAULT_MAP_SIZE}")
         if max_readers <= 0:
             raise ValueError(f"max_readers={max_readers} must be positive")
-        self.path = os.path.abspath(path)
+        self.path = ensure_private_dir(path, files=(_DATA, _LOCK_FILE))
         self.map_size = int(map_size)
         self.max_readers = int(max_readers)
 
@@ -109,20 +226,34 @@ class LmdbStore(Store):
                                  "bypassed os.register_at_fork hooks; it cannot be used in this process")
             return entry[1]
         try:
-            os.makedirs(self.path, exist_ok=True)
-            env = lmdb.open(
-                self.path,
-                map_size=self.map_size,
-                max_readers=self.max_readers,
-                readahead=False,  # random sample access: let the OS fetch only the pages asked for
-                meminit=False,
-                sync=False,  # a cache: losing the last commits on an OS crash only costs recomputation
-                metasync=False,
-            )
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+            with _sole_opener(self.path) as sole:
+                reason = lmdb_file_damage(os.path.join(self.path, _DATA)) if sole else None
+                if reason is not None:
+                    _move_aside(self.path, reason)
+                try:
+                    env = self._open()
+                except _DAMAGE_ERRORS as error:
+                    if not sole:
+                        raise
+                    _move_aside(self.path, f"LMDB: {error}")
+                    env = self._open()
         except (lmdb.Error, OSError) as error:
             raise StoreError(f"cannot open LMDB cache at {self.path}: {error}") from error
         _OPEN[self.path] = (os.getpid(), env)
         return env
+
+    def _open(self) -> Any:
+        return lmdb.open(
+            self.path,
+            map_size=self.map_size,
+            max_readers=self.max_readers,
+            mode=0o600,  # the files: readable and writable by this user only
+            readahead=False,  # random sample access: let the OS fetch only the pages asked for
+            meminit=False,
+            sync=False,  # a cache: losing the last commits on an OS crash only costs recomputation
+            metasync=False,
+        )
 
     def mset(self, mapping: Mapping[str, bytes]) -> None:
         if not mapping:
