@@ -254,7 +254,7 @@ def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_pl
         writer.writeheader()
         for r in rows:
             writer.writerow({k: r.get(k) for k in columns})
-    if make_plot and any(r.get("status") == "ok" for r in rows):
+    if make_plot and any(r.get("status") == "ok" and r.get("speedup") is not None for r in rows):  # vs DDP
         paths.append(plot(rows, os.path.join(out_dir, f"{name}.png"), caption=caption_for(meta)))
     return paths
 
