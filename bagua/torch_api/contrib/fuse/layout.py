@@ -45,8 +45,9 @@ class Segment:
         layout: ``params``, ``offsets`` (``len(params) + 1`` element offsets), ``owned``, ``flat_param``,
         ``flat_grad``, ``flat_state``, ``scalar_state``.
         expected objects (checked by identity every step): ``grad_views``, ``param_ptrs``, ``state_views``,
-        ``scalar_views``; ``installed[i]`` says whether ``params[i].grad`` was ever pointed at the flat gradient, ``grad_ids[i]`` is the
-        ``id`` of the gradient last copied in without being re-pointed (see :func:`install_grads`).
+        ``scalar_views``; ``installed[i]`` says whether ``params[i].grad`` was ever pointed at the flat gradient,
+        ``grad_ids[i]`` is the ``id`` of the gradient last copied in without being re-pointed (see
+        :func:`install_grads`).
         per-parameter verdict: ``eligible[i]`` is False when the parameter's state cannot live in the flat
         buffers (state of another shape, dtype or device); such parameters are stepped on their own.
     """
