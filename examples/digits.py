@@ -147,6 +147,6 @@ if rank == 0:
         print(f"{name:>28} | {accuracy[name] * 100:7.2f}% | {statistics.median(turns[name]) * 1e3:7.2f} | "
               f"{speedup:8.2f}x ({q1:.2f}-{q3:.2f})")
     print(f"\n{world} processes, {args.epochs} epochs, batch {args.batch_size} per rank, digits (sklearn). step: "
-          f"median over {args.rounds} rounds of the slowest rank's median of {args.timed_steps} steps; speedup (higher is "
-          "better): median over rounds of DDP's step / the system's step in the same round, with its interquartile "
-          "range. async's step does not include its averaging, which runs on a background thread.")
+          f"median over {args.rounds} rounds of the slowest rank's median of {args.timed_steps} steps; speedup "
+          "(higher is better): median over rounds of DDP's step / the system's step in the same round, with its "
+          "interquartile range. async's step does not include its averaging, which runs on a background thread.")
