@@ -6,6 +6,7 @@ Every parity check compares a fused optimizer against an identical unfused one f
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import warnings
@@ -644,16 +645,18 @@ def test_mutual_runs():
 # -- with_bagua: fused and unfused optimizers give the same weights under gradient allreduce and ByteGrad --------
 
 # (algorithm, fuse before with_bagua, with_bagua's do_flatten, zero_grad(set_to_none))
+# (algorithm, fuse before with_bagua, with_bagua's do_flatten, zero_grad's set_to_none, backwards per step)
 WITH_BAGUA_CASES = [
-    ("gradient_allreduce", True, False, False),
-    ("gradient_allreduce", False, False, True),
-    ("gradient_allreduce", True, True, False),
-    ("bytegrad", True, False, False),
-    ("bytegrad", False, True, True),
+    ("gradient_allreduce", True, False, False, 1),
+    ("gradient_allreduce", False, False, True, 1),
+    ("gradient_allreduce", True, True, False, 1),
+    ("gradient_allreduce", False, True, True, 3),
+    ("bytegrad", True, False, False, 1),
+    ("bytegrad", False, True, True, 1),
 ]
 
 
-def _train_with_bagua(rank, algorithm, fused, fuse_first, bagua_flatten, set_to_none):
+def _train_with_bagua(rank, algorithm, fused, fuse_first, bagua_flatten, set_to_none, accumulate):
     from tests.torch_api.models import batch, make_model
 
     model = make_model(rank)
@@ -667,8 +670,10 @@ def _train_with_bagua(rank, algorithm, fused, fuse_first, bagua_flatten, set_to_
         warnings.simplefilter("ignore")  # gradients are replaced every step when set_to_none
         for step in range(STEPS):
             opt.zero_grad(set_to_none=set_to_none)
-            x, y = batch(rank, step)
-            torch.nn.functional.mse_loss(model(x), y).backward()
+            for micro in range(accumulate):  # the last backward communicates, the others accumulate locally
+                x, y = batch(rank, step * accumulate + micro)
+                with model.bagua_ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
+                    torch.nn.functional.mse_loss(model(x), y).backward()
             opt.fuse_step() if fused else opt.step()
     if fused:
         assert opt._bagua_fused_count == STEPS
@@ -682,9 +687,9 @@ def _worker_with_bagua(rank, world_size, cases):
 
     algorithms = {"gradient_allreduce": GradientAllReduceAlgorithm, "bytegrad": ByteGradAlgorithm}
     out = []
-    for name, fuse_first, bagua_flatten, set_to_none in cases:
+    for name, fuse_first, bagua_flatten, set_to_none, accumulate in cases:
         out.append([
-            _train_with_bagua(rank, algorithms[name](), fused, fuse_first, bagua_flatten, set_to_none)
+            _train_with_bagua(rank, algorithms[name](), fused, fuse_first, bagua_flatten, set_to_none, accumulate)
             for fused in (False, True)
         ])
     return out
