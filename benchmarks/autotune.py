@@ -12,7 +12,8 @@ The goal: TPE's best within 5 % of the sweep's best, and the gain over the defau
 
     .venv/bin/python benchmarks/autotune.py --rate 1gbit --out docs/results/autotune.json
 
-The CSV logs and plots of both tunes are written next to ``--out``. ``--streams 4`` also enables the
+The CSV logs and plots of both tunes are written next to ``--out``; ``--replot docs/results/autotune.json``
+re-renders the plots from them without measuring anything. ``--streams 4`` also enables the
 multistream allreduce and lets autotune choose 1, 2 or 4 streams; with a per-connection cap (``--rate
 10gbit@2gbit``, see benchmarks/tcp_tuning.py) that is where streams pay.
 """
@@ -47,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     p.add_argument("--out", default=None, help="write the results as JSON here (logs and plots beside it)")
+    p.add_argument("--replot", nargs="+", metavar="JSON", default=None,
+                   help="only re-render the plots of finished runs (their --out JSON) from the CSV logs beside them")
     p.add_argument("--worker", default=None, choices=["sweep", "tpe", "compare"], help=argparse.SUPPRESS)
     p.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -217,12 +220,28 @@ def _forwarded(args) -> list[str]:
             "--rate", args.rate]
 
 
+def plot_logs(base: str, args: dict) -> list[str]:
+    """Draw ``<base>-sweep.png`` and ``<base>-tpe.png`` from the CSV logs beside them; return the paths."""
+    from bagua.autotune import plot
+
+    what = {"sweep": "exhaustive sweep", "tpe": f"TPE, {args['trials']} trials"}
+    return [plot(f"{base}-{mode}.csv", f"{base}-{mode}.png",
+                 title=f"Autotune ({what[mode]}): {args['model']} model, 2 hosts, {args['rate']} link")
+            for mode in ("sweep", "tpe")]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.replot:  # re-render the plots of finished runs, measuring nothing
+        for path in args.replot:
+            with open(path) as f:
+                run_args = json.load(f)["args"]
+            print("wrote " + ", ".join(plot_logs(os.path.splitext(path)[0], run_args)))
+        return 0
     if args.worker:
         worker(args)
         return 0
-    from bagua.autotune import plot, read_log
+    from bagua.autotune import read_log
     from bagua.benchmarks import netns
 
     ok, why = netns.netns_available()
@@ -245,7 +264,7 @@ def main(argv=None) -> int:
             os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
             for mode in ("sweep", "tpe"):
                 shutil.copy(os.path.join(workdir, f"{mode}.csv"), f"{base}-{mode}.csv")
-                plot(f"{base}-{mode}.csv", f"{base}-{mode}.png", title=f"autotune {mode}, {args.model}, {args.rate}")
+            plot_logs(base, vars(args))
 
     print(f"\nsweep ({args.rate}, {args.model}): log2(bucket) -> samples/s")
     for r in sweep:

@@ -7,8 +7,10 @@ of ``--steps`` timings per variant and the ratios, and writes them as JSON with 
 
 Variants: ``unfused`` (``foreach=False``, the per-parameter loop), ``fused`` (the same optimizer after
 ``fuse_optimizer``), ``foreach`` (torch ``foreach=True``) and ``torch_fused`` (torch ``fused=True``); the last two
-exist only for torch's Adam and SGD. ``fused_new_grads`` is the fused step when every gradient is a new tensor
-(``zero_grad()`` with the default ``set_to_none=True``), which costs one copy into the flat gradient.
+exist only for torch's Adam and SGD. ``unfused_new_grads`` and ``fused_new_grads`` are the unfused and fused steps
+when every gradient is a new tensor, as after ``zero_grad()`` with its default ``set_to_none=True`` and a backward
+(the tensors are made untimed before each step); the fused step then copies them into its flat gradient. The
+``new grads`` column is their ratio, the speedup a user of the default ``zero_grad()`` sees.
 
 The fused variants use ``fuse_optimizer``'s defaults: on CPU, chunks sized for the optimizer's state and flat
 buffers on transparent huge pages where Linux allows it (``--huge-pages off`` sets ``BAGUA_FUSE_HUGE_PAGES=0``;
@@ -19,6 +21,11 @@ Usage:
     python benchmarks/fused_optimizer.py --threads 1 --clock cpu --steps 15 --out fused_1t.json
     python benchmarks/fused_optimizer.py --device cuda --steps 50
     python benchmarks/fused_optimizer.py --threads 1 --clock cpu --steps 24 --sweep-kib 1024 1536 2048 4096
+    python benchmarks/fused_optimizer.py --threads 1 --loop --steps 10 --optimizers adam lion
+
+``--loop`` times a training loop instead, under the default ``zero_grad()``: backward and step timed apart for
+the unfused and the fused optimizer in turns; the ratio ``step + extra bw`` charges the fused step with any time
+its backward took beyond the unfused one's.
 """
 
 from __future__ import annotations
@@ -81,15 +88,11 @@ def variants(name, n, shape, device, chunk_bytes):
     out["unfused"] = plain.step
     fused = fuse_optimizer(make(make_params(n, shape, device), foreach=False), chunk_bytes=chunk_bytes)
     out["fused"] = fused.fuse_step
+    # zero_grad() (set_to_none=True, the default) + backward: every step starts with new gradient tensors, made
+    # (untimed) just before the step, as backward makes them
+    out["unfused_new_grads"] = _with_new_grads(make(make_params(n, shape, device), foreach=False), "step")
     fresh = fuse_optimizer(make(make_params(n, shape, device), foreach=False), chunk_bytes=chunk_bytes)
-    grads = [p.grad.clone() for p in fresh.param_groups[0]["params"]]
-
-    def fused_new_grads():
-        for p, g in zip(fresh.param_groups[0]["params"], grads):
-            p.grad = g  # a tensor outside the flat buffer, as after zero_grad() + backward
-        fresh.fuse_step()
-
-    out["fused_new_grads"] = fused_new_grads
+    out["fused_new_grads"] = _with_new_grads(fresh, "fuse_step")
     if name != "lion":
         out["foreach"] = make(make_params(n, shape, device), foreach=True).step
         try:
@@ -97,6 +100,18 @@ def variants(name, n, shape, device, chunk_bytes):
         except (RuntimeError, ValueError) as err:  # fused=True is not implemented for every device
             print(f"{name}: fused=True unavailable on {device}: {err}")
     return out
+
+
+def _with_new_grads(opt, method):
+    """Return ``(prepare, step)``: ``prepare`` gives every parameter a new gradient tensor (untimed)."""
+    params = opt.param_groups[0]["params"]
+    grads = [p.grad.clone() for p in params]
+
+    def prepare():
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+
+    return prepare, getattr(opt, method)
 
 
 def sweep_variants(name, n, shape, device, kibs):
@@ -109,12 +124,56 @@ def sweep_variants(name, n, shape, device, kibs):
     return out
 
 
+def time_training_loop(name, n, shape, steps, warmup):
+    """``--loop``: ``zero_grad()`` (default ``set_to_none=True``), a backward pass, and the step, timed apart, for the
+    unfused and the fused optimizer in turns (CPU clock); return ``{variant: (backward ms, step ms)}`` medians.
+
+    The loss is ``sum((p * c).sum())`` over the parameters, so backward makes one new gradient tensor per parameter
+    and little else. ``fused_keep`` uses ``zero_grad(set_to_none=False)``: its gradients stay in the flat buffer.
+    """
+    make = OPTIMIZERS[name]
+    gen = torch.Generator().manual_seed(1)
+    consts = [torch.randn(shape, generator=gen) for _ in range(n)]
+    runs = {
+        "unfused": (make(make_params(n, shape, "cpu"), foreach=False), "step", True),
+        "fused": (fuse_optimizer(make(make_params(n, shape, "cpu"), foreach=False)), "fuse_step", True),
+        "fused_keep": (fuse_optimizer(make(make_params(n, shape, "cpu"), foreach=False)), "fuse_step", False),
+    }
+    times = {v: ([], []) for v in runs}
+    for i in range(warmup + steps):
+        for v, (opt, method, set_to_none) in runs.items():
+            params = opt.param_groups[0]["params"]
+            opt.zero_grad(set_to_none=set_to_none)
+            loss = sum((p * c).sum() for p, c in zip(params, consts))
+            t0 = time.process_time()
+            loss.backward()
+            t1 = time.process_time()
+            getattr(opt, method)()
+            t2 = time.process_time()
+            if i >= warmup:
+                times[v][0].append((t1 - t0) * 1e3)
+                times[v][1].append((t2 - t1) * 1e3)
+    return {v: (statistics.median(b), statistics.median(s)) for v, (b, s) in times.items()}
+
+
+def print_training_loop(results):
+    print("optimizer      " + "".join(f"{v + ' bw/step':>22}" for v in ("unfused", "fused", "fused_keep"))
+          + f"{'step ratio':>12}{'(step + extra bw) ratio':>25}")
+    for name, r in results.items():
+        (bu, su), (bf, sf) = r["unfused"], r["fused"]
+        cells = "".join(f"{b:>12.2f}/{s:<9.2f}" for b, s in (r[v] for v in ("unfused", "fused", "fused_keep")))
+        print(f"{name:<15}{cells}{su / sf:>11.2f}x{su / (sf + bf - bu):>24.2f}x")
+
+
 def time_round_robin(steps_by_variant, steps, warmup, device, clock):
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     now = time.process_time if clock == "cpu" else time.perf_counter
     times = {v: [] for v in steps_by_variant}
     for i in range(warmup + steps):
         for v, step in steps_by_variant.items():
+            if isinstance(step, tuple):
+                prepare, step = step
+                prepare()
             sync()
             t0 = now()
             step()
@@ -141,6 +200,8 @@ def main():
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
     parser.add_argument("--sweep-kib", type=int, nargs="+", default=None,
                         help="instead: time the unfused step against fused steps with these chunk sizes (KiB)")
+    parser.add_argument("--loop", action="store_true",
+                        help="instead: zero_grad() + backward + step, backward and step timed apart (CPU clock)")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.threads:
@@ -149,6 +210,19 @@ def main():
         os.environ["BAGUA_FUSE_HUGE_PAGES"] = "0"
 
     shape = tuple(args.shape)
+    if args.loop:
+        results = {name: time_training_loop(name, args.params, shape, args.steps, args.warmup)
+                   for name in args.optimizers}
+        print(f"\n{args.params} params of {shape}, cpu, {torch.get_num_threads()} threads, median of {args.steps} "
+              "iterations, CPU clock (ms)")
+        print_training_loop(results)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": dict(params=args.params, shape=list(shape), threads=torch.get_num_threads(),
+                                        steps=args.steps, load_average=list(os.getloadavg()), loop=True),
+                           "median_ms": {k: {v: dict(backward=b, step=s) for v, (b, s) in r.items()}
+                                         for k, r in results.items()}}, f, indent=2)
+        return
     if args.sweep_kib:
         for name in args.optimizers:
             r = time_round_robin(sweep_variants(name, args.params, shape, args.device, args.sweep_kib), args.steps,
@@ -167,13 +241,14 @@ def main():
     print(f"\n{args.params} params of {shape}, {args.device}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, median of {args.steps} steps, {args.clock} clock (ms); "
           f"huge pages {'on' if huge_pages else 'off'}, fused chunk bytes {chunks}")
-    cols = ["unfused", "fused", "fused_new_grads", "foreach", "torch_fused"]
-    print(f"{'optimizer':<14}" + "".join(f"{c:>16}" for c in cols)
-          + f"{'unfused/fused':>15}{'foreach/fused':>15}{'fused/torch_fused':>19}")
+    cols = ["unfused", "fused", "unfused_new_grads", "fused_new_grads", "foreach", "torch_fused"]
+    print(f"{'optimizer':<14}" + "".join(f"{c:>18}" for c in cols)
+          + f"{'unfused/fused':>15}{'new grads':>11}{'foreach/fused':>15}{'fused/torch_fused':>19}")
     for name, r in results.items():
         ratio = lambda a, b: f"{r[a] / r[b]:.2f}x" if a in r and b in r else "-"  # noqa: E731
-        print(f"{name:<14}" + "".join(f"{r[c]:>16.2f}" if c in r else f"{'-':>16}" for c in cols)
-              + f"{ratio('unfused', 'fused'):>15}{ratio('foreach', 'fused'):>15}{ratio('fused', 'torch_fused'):>19}")
+        print(f"{name:<14}" + "".join(f"{r[c]:>18.2f}" if c in r else f"{'-':>18}" for c in cols)
+              + f"{ratio('unfused', 'fused'):>15}{ratio('unfused_new_grads', 'fused_new_grads'):>11}"
+              + f"{ratio('foreach', 'fused'):>15}{ratio('fused', 'torch_fused'):>19}")
     if args.out:
         meta = dict(params=args.params, shape=list(shape), device=args.device, threads=torch.get_num_threads(),
                     steps=args.steps, chunk_bytes=args.chunk_bytes, clock=args.clock,

@@ -4,12 +4,17 @@ Run on 2 local CPU processes:
 
     python -m bagua.distributed.launch --nproc_per_node=2 examples/digits.py
 
-Each algorithm trains the same model from the same initial weights on the same shards of the data; the final
-table shows test accuracy, time per epoch and that time relative to torch DDP's. On one machine the network is
-not the bottleneck, so the compressed algorithms are not faster here; see docs/benchmarks.md for shaped links.
+Each algorithm trains the same model from the same initial weights on the same shards of the data, and is
+scored on the held-out test set. Then every system's training step is timed: after a warm-up, the systems take
+turns (``--rounds`` rounds of ``--timed-steps`` steps each, the order rotated every round so that none is always
+first), each rank takes the median step of every turn, the slowest rank's counts, and the table shows the median
+over rounds and the speedup over torch DDP (DDP's step / the system's step in the same round, median over
+rounds; higher is better), with its interquartile range. On one machine the network is not the bottleneck, so
+the compressed algorithms are not faster here; see docs/benchmarks.md for shaped links.
 """
 
 import argparse
+import statistics
 import time
 
 import torch
@@ -25,6 +30,8 @@ parser.add_argument("--epochs", type=int, default=8)
 parser.add_argument("--batch-size", type=int, default=32)
 parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--algorithms", default="all", help="comma-separated names, or 'all'")
+parser.add_argument("--rounds", type=int, default=15, help="timing: turns per system")
+parser.add_argument("--timed-steps", type=int, default=30, help="timing: steps per turn (after 5 untimed ones)")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -73,40 +80,73 @@ def evaluate(model):
     return acc
 
 
+def train_step(runner, opt, loss_fn, idx):
+    opt.zero_grad()
+    loss = loss_fn(runner(X_shard[idx]), y_shard[idx])
+    loss.backward()
+    opt.step()
+    return loss
+
+
 names = ["torch_ddp"] + (
     GlobalAlgorithmRegistry.available_algorithms() if args.algorithms == "all" else args.algorithms.split(",")
 )
-results = []
+loss_fn = torch.nn.CrossEntropyLoss()
+systems, accuracy = {}, {}
 for name in names:
     runner, model, opt = make_run(name)
     if name == "async":
         model.bagua_algorithm.resume(model)
-    loss_fn = torch.nn.CrossEntropyLoss()
-    start = time.perf_counter()
     bar = tqdm(total=args.epochs * steps_per_epoch, desc=f"{name:>28}", disable=rank != 0, leave=True)
     for epoch in range(args.epochs):
         order = torch.randperm(len(X_shard), generator=torch.Generator().manual_seed(epoch))
         for step in range(steps_per_epoch):
-            idx = order[step * args.batch_size : (step + 1) * args.batch_size]
-            opt.zero_grad()
-            loss = loss_fn(runner(X_shard[idx]), y_shard[idx])
-            loss.backward()
-            opt.step()
+            loss = train_step(runner, opt, loss_fn, order[step * args.batch_size : (step + 1) * args.batch_size])
             bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
     if name == "async":
         model.bagua_algorithm.abort(model)
     bar.close()
     dist.barrier()
-    elapsed = (time.perf_counter() - start) / args.epochs
     acc = torch.tensor([evaluate(model)])
     dist.all_reduce(acc)  # mean over ranks (decentralized/async ranks may hold slightly different weights)
-    results.append((name, acc.item() / world, elapsed))
+    accuracy[name] = acc.item() / world
+    systems[name] = (runner, model, opt)
+
+# timing: the systems take turns, the order rotated every round; one turn = 5 untimed steps (caches and buffers
+# warm up after the previous system) and --timed-steps timed ones, of which each rank keeps the median
+batches = [torch.arange(i, i + args.batch_size) % len(X_shard) for i in range(0, len(X_shard), args.batch_size)]
+turns = {name: [] for name in names}
+bar = tqdm(total=args.rounds * len(names), desc=f"{'timing':>28}", disable=rank != 0, leave=True)
+for r in range(args.rounds):
+    for name in names[r % len(names):] + names[:r % len(names)]:
+        runner, model, opt = systems[name]
+        if name == "async":
+            model.bagua_algorithm.resume(model)
+        dist.barrier()
+        durations = []
+        for i in range(5 + args.timed_steps):
+            t0 = time.perf_counter()
+            train_step(runner, opt, loss_fn, batches[i % len(batches)])
+            durations.append(time.perf_counter() - t0)
+        if name == "async":
+            model.bagua_algorithm.abort(model)
+        step = torch.tensor([statistics.median(durations[5:])])
+        dist.all_reduce(step, op=dist.ReduceOp.MAX)  # the slowest rank's step, as the benchmarks report
+        turns[name].append(step.item())
+        bar.update(1)
+bar.close()
 
 if rank == 0:
-    ddp_time = results[0][2]
-    print(f"\n{'system':>28} | {'test acc':>8} | {'s/epoch':>8} | {'time vs DDP':>11}")
-    print("-" * 66)
-    for name, acc, elapsed in results:
-        print(f"{name:>28} | {acc * 100:7.2f}% | {elapsed:8.3f} | {elapsed / ddp_time:10.2f}x")
-    print(f"\n{world} processes, {args.epochs} epochs, batch {args.batch_size} per rank, digits (sklearn)")
+    ddp = turns["torch_ddp"]
+    print(f"\n{'system':>28} | {'test acc':>8} | {'step ms':>7} | {'speedup vs DDP (IQR)':>21}")
+    print("-" * 75)
+    for name in names:
+        ratios = [d / t for d, t in zip(ddp, turns[name])]  # DDP's step / this system's, in the same round
+        q1, speedup, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        print(f"{name:>28} | {accuracy[name] * 100:7.2f}% | {statistics.median(turns[name]) * 1e3:7.2f} | "
+              f"{speedup:8.2f}x ({q1:.2f}-{q3:.2f})")
+    print(f"\n{world} processes, {args.epochs} epochs, batch {args.batch_size} per rank, digits (sklearn). step: "
+          f"median over {args.rounds} rounds of the slowest rank's median of {args.timed_steps} steps; speedup "
+          "(higher is better): median over rounds of DDP's step / the system's step in the same round, with its "
+          "interquartile range. async's step does not include its averaging, which runs on a background thread.")

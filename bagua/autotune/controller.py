@@ -43,7 +43,7 @@ from bagua.autotune.tuner import Hyperparameters, Tuner, TuneResult, TuneSpace, 
 from bagua.torch_api import env, multistream
 from bagua.torch_api.bucket import split_bucket_by_bucket_size
 
-__all__ = ["AutotuneController", "bucket_plan", "default_log_path"]
+__all__ = ["AutotuneController", "bucket_plan", "default_log_path", "describe"]
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +195,12 @@ class AutotuneController:
         self.result: Optional[TuneResult] = None
         if reload and self.tune_file and self._load_saved():
             return
+        if self._is_root:
+            logger.info(
+                "autotune: started on %d rank(s): %d trial(s) after %.0f s of warmup, windows of >= %.1f s, "
+                "starting from %s%s; the tune will be saved to %s", len(self._ranks), max_samples, warmup_time_s,
+                sampling_confidence_time_s, describe(self.default),
+                f"; CSV log {log_path}" if log_path else "", self.tune_file or "(nowhere: tune_file='')")
         self._register_hooks()
 
     # -- hooks -------------------------------------------------------------------------------------------------
@@ -276,7 +282,7 @@ class AutotuneController:
         if self._log is not None:
             self._log.write(self.current, score, self.ddp.bagua_train_step_counter, self._trial,
                             "best" if self.phase == _CONFIRM else self.phase, int(steps), elapsed)
-        logger.info("autotune %s %s: %.2f samples/s", self.phase, self.current, score)
+        self._log_window(score, steps, elapsed)
         if self.phase == _CONFIRM:
             self._save(score)
             return self._encode(_DONE, self.current)
@@ -287,6 +293,18 @@ class AutotuneController:
             return self._encode(_FINISH, best, ordered=self._best_ordered, next_in=self._window_iterations())
         self._trial += 1
         return self._encode(_APPLY, self._tuner.ask(), ordered=True, next_in=self._window_iterations())
+
+    def _log_window(self, score: float, steps: float, elapsed: float) -> None:
+        """Rank 0: one log record per measured window."""
+        what = {_DEFAULT: "default", _TRIAL: f"trial {self._trial}/{self.max_samples}",
+                _CONFIRM: "chosen, re-measured"}.get(self.phase, self.phase)
+        logger.info("autotune: %s: %s: %.1f samples/s (%d steps in %.1f s)", what, describe(self.current), score,
+                    steps, elapsed)
+        if self.phase == _CONFIRM:
+            assert self._tuner is not None
+            default = next((s for _, s, kind in self._tuner.records if kind == "default"), 0.0)
+            logger.info("autotune: chose %s: %.1f samples/s, %.2fx the default (%.1f samples/s)",
+                        describe(self.current), score, score / default if default > 0 else float("nan"), default)
 
     def _best(self) -> tuple[Hyperparameters, float]:
         """The best trial, or the default (returned as ``self.default`` itself) when nothing beat it."""
@@ -374,6 +392,8 @@ class AutotuneController:
         )
         if self.tune_file:
             save_tune(self.tune_file, self.result)
+            logger.info("autotune: saved the tune to %s; the next run of this model on this cluster reloads it "
+                        "(delete the file, or attach(..., reload=False), to tune again)", self.tune_file)
 
     def _load_saved(self) -> bool:
         """Collective: rank 0 looks for a saved tune; when found every rank applies it and tuning is skipped."""
@@ -393,7 +413,20 @@ class AutotuneController:
         self._apply(Hyperparameters(bucket_size, bool(hierarchical), streams), bool(ordered))
         self.result = saved
         self.phase = _FINISHED
+        if self._is_root:
+            logger.info("autotune: reloaded the tune saved at %s: %s; not tuning (delete the file, or "
+                        "attach(..., reload=False), to tune again)", self.tune_file,
+                        describe(self.current))
         return True
+
+
+def describe(hp: Hyperparameters) -> str:
+    """``hp`` in words, as the log prints it, e.g. ``bucket 4 MiB, hierarchical off, 1 stream``."""
+    size = hp.bucket_size
+    unit = next((u for u, b in (("MiB", 1 << 20), ("KiB", 1 << 10)) if size >= b), "B")
+    scaled = size / {"MiB": 1 << 20, "KiB": 1 << 10, "B": 1}[unit]
+    streams = f"{hp.num_streams} stream{'s' if hp.num_streams != 1 else ''}"
+    return f"bucket {scaled:g} {unit}, hierarchical {'on' if hp.is_hierarchical_reduce else 'off'}, {streams}"
 
 
 def default_log_path(model_signature: str) -> str:

@@ -17,7 +17,7 @@ from typing import Optional
 
 from bagua.autotune.tuner import Hyperparameters
 
-__all__ = ["AutotuneLog", "COLUMNS", "read_log", "plot"]
+__all__ = ["AutotuneLog", "COLUMNS", "read_log", "plot", "figure"]
 
 COLUMNS = ["bucket_size_2p", "is_hierarchical_reduce", "score", "train_iter",
            "trial", "kind", "bucket_size", "num_streams", "steps", "window_s"]
@@ -65,44 +65,92 @@ def read_log(path: str) -> list[dict]:
     return rows
 
 
-def plot(path: str, out: Optional[str] = None, title: str = "Bagua autotune") -> str:
-    """Plot score per trial (points), the best single score so far (line), the chosen setting re-measured
-    (star) and the default (dashed); return the PNG path.
+def _size(nbytes: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
 
-    Needs matplotlib (``pip install matplotlib``).
+
+def _setting(row: dict) -> tuple:
+    return row["bucket_size"], row["is_hierarchical_reduce"], row["num_streams"]
+
+
+def _label(row: dict, streams: bool, hierarchical: bool) -> str:
+    parts = [_size(row["bucket_size"])]
+    if hierarchical:
+        parts.append("hier." if row["is_hierarchical_reduce"] else "flat")
+    if streams:
+        parts.append(f"{row['num_streams']} str.")
+    return ", ".join(parts)
+
+
+def plot(path: str, out: Optional[str] = None, title: str = "Bagua autotune") -> str:
+    """Plot one tune: each trial's throughput (points labelled with their setting), the default (dashed line),
+    the chosen setting (ringed, named in the title) and its re-measurement (star); return the PNG path.
+
+    The legend sits outside the data, below the axes. Needs matplotlib (``pip install matplotlib``).
+
+    Args:
+        path: the CSV log written by :class:`AutotuneLog`.
+        out: the PNG to write (default: ``path`` with ``.png``).
+        title: what was tuned, e.g. ``"autotune sweep, deep, 1gbit"``; the choice is appended.
+
+    Returns:
+        The PNG path.
     """
+    import matplotlib.pyplot as plt
+
+    out = out or os.path.splitext(path)[0] + ".png"
+    fig = figure(path, title)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
+def figure(path: str, title: str = "Bagua autotune"):
+    """The matplotlib figure :func:`plot` saves (for tests and notebooks); the caller closes it."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rows = read_log(path)
-    out = out or os.path.splitext(path)[0] + ".png"
     trials = [r for r in rows if r["kind"] == "trial"]
-    defaults = [r for r in rows if r["kind"] == "default"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    default = next((r for r in rows if r["kind"] == "default"), None)
+    best = next((r for r in rows if r["kind"] == "best"), None)
+    streams = len({r["num_streams"] for r in rows}) > 1
+    hierarchical = len({r["is_hierarchical_reduce"] for r in rows}) > 1
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    if default is not None:
+        ax.axhline(default["score"], linestyle="--", color="grey", linewidth=1.2,
+                   label=f"default ({_label(default, streams, hierarchical)}): {default['score']:.1f}")
     if trials:
-        xs = [r["trial"] for r in trials]
-        ys = [r["score"] for r in trials]
-        ax.scatter(xs, ys, s=18, label="trial")
-        best, running = [], float("-inf")
-        for y in ys:
-            running = max(running, y)
-            best.append(running)
-        ax.step(xs, best, where="post", label="best so far")
+        xs, ys = [r["trial"] for r in trials], [r["score"] for r in trials]
+        ax.plot(xs, ys, marker="o", linestyle="none", color="C0", markersize=6, label="trial")
         for r in trials:
-            ax.annotate(f"{r['bucket_size_2p']:.0f}", (r["trial"], r["score"]), fontsize=6,
-                        xytext=(2, 2), textcoords="offset points")
-    for r in [r for r in rows if r["kind"] == "best"]:
+            ax.annotate(_label(r, streams, hierarchical), (r["trial"], r["score"]), fontsize=7,
+                        xytext=(0, 6), textcoords="offset points", ha="center")
+    caption = ""
+    if best is not None:
+        chosen = [r for r in trials if _setting(r) == _setting(best)]
+        if chosen:
+            ax.plot([r["trial"] for r in chosen], [r["score"] for r in chosen], marker="o", markersize=15,
+                    markerfacecolor="none", markeredgecolor="red", markeredgewidth=2, linestyle="none",
+                    label="chosen setting")
         x = (trials[-1]["trial"] + 1) if trials else 1
-        ax.scatter([x], [r["score"]], marker="*", s=120, color="red", label="chosen, re-measured")
-    for r in defaults:
-        ax.axhline(r["score"], linestyle="--", color="grey", label=f"default ({r['bucket_size'] / 2**20:g} MiB)")
-    ax.set_xlabel("trial (labels: log2 bucket size)")
+        ax.plot([x], [best["score"]], marker="*", markersize=15, color="red", linestyle="none",
+                label=f"chosen, re-measured: {best['score']:.1f}")
+        gain = (f"; re-measured: {best['score'] / default['score']:.2f}x the default"
+                if default and default["score"] > 0 else "")
+        caption = f"\nchose {_label(best, streams, hierarchical)}{gain}"
+    ax.set_xlabel("trial")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("throughput (samples/s)")
-    ax.set_title(title)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title(title + caption, fontsize=11)
+    ax.margins(x=0.06, y=0.15)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return fig

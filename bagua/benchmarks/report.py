@@ -32,8 +32,9 @@ import os
 import platform
 import statistics
 import sys
-import textwrap
 from typing import Optional, Sequence
+
+from bagua.benchmarks.plots import caption_for, plot
 
 __all__ = [
     "summarize_ranks",
@@ -63,7 +64,6 @@ GOALS = [
      "low_precision_decentralized", "speedup_min", 1.0),
 ]
 
-_BANDWIDTH_ORDER = ["unshaped", "10gbit", "1gbit", "100mbit"]
 
 
 def _median(values: Sequence[Optional[float]]) -> Optional[float]:
@@ -254,77 +254,9 @@ def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_pl
         writer.writeheader()
         for r in rows:
             writer.writerow({k: r.get(k) for k in columns})
-    if make_plot and any(r.get("status") == "ok" for r in rows):
-        paths.append(plot(rows, os.path.join(out_dir, f"{name}.png"), title=meta.get("command", "")))
+    if make_plot and any(r.get("status") == "ok" and r.get("speedup") is not None for r in rows):  # vs DDP
+        paths.append(plot(rows, os.path.join(out_dir, f"{name}.png"), caption=caption_for(meta)))
     return paths
-
-
-def plot(rows: list[dict], path: str, title: str = "") -> str:
-    """Plot step time, speedup over DDP and (when a model reports it) test accuracy against bandwidth, one line
-    per system, one column per (model, hosts); return ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    ok = [r for r in rows if r.get("status") == "ok"]
-    panels = sorted({(r["model"], r["hosts"]) for r in ok}, key=lambda p: (p[0] != "mlp", p[0], p[1]))
-    systems = sorted(dict.fromkeys(r["system"] for r in ok), key=lambda n: (not n.startswith("ddp"), n))
-    n_rows = 3 if any(r.get("accuracy") is not None for r in ok) else 2
-    fig, axes = plt.subplots(n_rows, len(panels), figsize=(5.2 * len(panels), 3.75 * n_rows), squeeze=False)
-    markers = "os^vD<>pP*hX"
-    for col, (model, hosts) in enumerate(panels):
-        sub = [r for r in ok if (r["model"], r["hosts"]) == (model, hosts)]
-        bands = sorted({r["bandwidth"] for r in sub},
-                       key=lambda b: _BANDWIDTH_ORDER.index(b) if b in _BANDWIDTH_ORDER else len(_BANDWIDTH_ORDER))
-        for i, system in enumerate(systems):
-            pts = {r["bandwidth"]: r for r in sub if r["system"] == system}
-            xs = [j for j, b in enumerate(bands) if b in pts]
-            if not xs:
-                continue
-            style = {"marker": markers[i % len(markers)], "color": f"C{i % 10}", "label": system,
-                     "linestyle": "--" if system.startswith("ddp") else "-"}
-            axes[0][col].plot(xs, [pts[bands[j]]["step_s"] * 1e3 for j in xs], **style)
-            sp = [(j, pts[bands[j]]["speedup"]) for j in xs if pts[bands[j]].get("speedup") is not None]
-            if sp:
-                axes[1][col].plot([j for j, _ in sp], [s for _, s in sp], **style)
-            acc = [(j, pts[bands[j]]["accuracy"]) for j in xs if pts[bands[j]].get("accuracy") is not None]
-            if acc and n_rows == 3:
-                axes[2][col].plot([j for j, _ in acc], [100 * a for _, a in acc], **style)
-        labels = [(0, "median step time (ms, log)"), (1, "speedup over DDP (x, log)")]
-        if n_rows == 3:
-            if any(r.get("accuracy") is not None for r in sub):
-                labels.append((2, "test accuracy (%)"))
-            else:
-                axes[2][col].axis("off")
-        for row, ylabel in labels:
-            ax = axes[row][col]
-            ax.set_xticks(range(len(bands)))
-            ax.set_xticklabels(bands)
-            ax.set_xlabel("link bandwidth (tbf)")
-            ax.set_ylabel(ylabel)
-            ax.grid(True, alpha=0.3)
-        axes[0][col].set_yscale("log")
-        axes[0][col].set_title(f"{model}, {hosts} hosts")
-        axes[1][col].set_yscale("log", base=2)
-        axes[1][col].yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-        axes[1][col].axhline(1.0, color="grey", linewidth=0.8)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    for ax in axes.flat:
-        h, lab = ax.get_legend_handles_labels()
-        for hh, ll in zip(h, lab):
-            if ll not in labels:
-                handles.append(hh)
-                labels.append(ll)
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3 * len(panels)), frameon=False,
-               fontsize=8)
-    if title:
-        fig.suptitle(textwrap.fill(title, 60 * len(panels)), fontsize=7)
-    fig.tight_layout(rect=(0, 0.1 if n_rows == 2 else 0.07, 1, 0.97))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def merge(paths: Sequence[str]) -> tuple[list[dict], dict]:
@@ -351,25 +283,38 @@ def merge(paths: Sequence[str]) -> tuple[list[dict], dict]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m bagua.benchmarks.report A.json B.json --out-dir D --name N``: merge runs into one table,
-    JSON, CSV and plot (speedups stay relative to the DDP run of the same file and configuration)."""
+    JSON, CSV and plot (speedups stay relative to the DDP run of the same file and configuration).
+
+    ``python -m bagua.benchmarks.report docs/results/X.json`` (no ``--name``) re-renders ``X.png`` from the
+    results already in ``X.json``, and writes nothing else: no benchmark is run again.
+    """
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m bagua.benchmarks.report", description=main.__doc__.splitlines()[0])
     p.add_argument("inputs", nargs="+", help="JSON files written by bagua-bench")
-    p.add_argument("--out-dir", required=True)
-    p.add_argument("--name", required=True)
+    p.add_argument("--out-dir", default=None, help="where to write (default: beside the first input)")
+    p.add_argument("--name", default=None, help="name of the merged results; without it: only re-render plots")
     p.add_argument("--markdown", action="store_true", help="also write <name>.md (a Markdown table)")
     args = p.parse_args(argv)
+    if args.name is None:
+        for path in args.inputs:
+            rows, meta = merge([path])
+            with open(path) as f:
+                meta = json.load(f)["meta"]
+            out = os.path.join(args.out_dir or os.path.dirname(path), os.path.splitext(os.path.basename(path))[0])
+            print("wrote " + plot(rows, out + ".png", caption=caption_for(meta)))
+        return 0
+    out_dir = args.out_dir or os.path.dirname(args.inputs[0])
     rows, meta = merge(args.inputs)
     if args.markdown:
-        with open(os.path.join(args.out_dir, f"{args.name}.md"), "w") as f:
+        with open(os.path.join(out_dir, f"{args.name}.md"), "w") as f:
             f.write(format_markdown(rows) + "\n")
     goals = check_goals(rows)
     print(format_table(rows))
     if goals:
         print()
         print(format_goals(goals))
-    print("\nwrote " + ", ".join(write_results(args.out_dir, args.name, rows, meta, goals=goals)))
+    print("\nwrote " + ", ".join(write_results(out_dir, args.name, rows, meta, goals=goals)))
     return 0
 
 

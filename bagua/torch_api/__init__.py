@@ -7,7 +7,7 @@ Example:
     >>> model = model.with_bagua([optimizer], gradient_allreduce.GradientAllReduceAlgorithm())  # doctest: +SKIP
 """
 
-from bagua.torch_api import algorithms, checkpoint, communication, contrib, data_parallel, env
+from bagua.torch_api import _log, algorithms, checkpoint, communication, contrib, data_parallel, env
 from bagua.torch_api.communication import (
     ReduceOp,
     allgather,
@@ -45,3 +45,5 @@ __all__ = [
     "get_local_rank", "get_local_size", "get_node_rank", "get_rank", "get_world_size",
     "algorithms", "checkpoint", "communication", "contrib", "data_parallel", "env",
 ]
+
+_log.configure()  # the "bagua" logger: level from BAGUA_LOG_LEVEL, records prefixed with the rank

@@ -239,3 +239,24 @@ def _export(values: Mapping[str, Optional[str]]) -> None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+# --- logging (read by bagua.torch_api._log) ---------------------------------------------------------------------
+
+__all__ += ["get_log_level", "LOG_LEVELS"]
+
+#: The values ``BAGUA_LOG_LEVEL`` accepts, as the :mod:`logging` level names.
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def get_log_level() -> str:
+    """Level of Bagua's log records (``BAGUA_LOG_LEVEL``: DEBUG, INFO, WARNING, ERROR or CRITICAL; default INFO).
+
+    Example:
+        >>> get_log_level()  # doctest: +SKIP
+        'INFO'
+    """
+    level = get_str("BAGUA_LOG_LEVEL", "INFO").strip().upper()
+    if level not in LOG_LEVELS:
+        raise ValueError(f"BAGUA_LOG_LEVEL={level!r} is not a log level; use one of {', '.join(LOG_LEVELS)}")
+    return level

@@ -6,7 +6,9 @@ Tolerance against DDP: rtol=1e-5, atol=1e-6 (the same sums in other bucket layou
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 
 import torch
 from torch.testing import assert_close
@@ -25,9 +27,29 @@ def _iterate(model, opt, rank, it):
     opt.step()
 
 
+class _Records(logging.Handler):
+    """Keep every record of the ``bagua`` logger, formatted as Bagua's own stderr handler formats it."""
+
+    def __init__(self):
+        from bagua.torch_api import _log
+
+        super().__init__()
+        self.lines: list[str] = []
+        self.addFilter(_log.RankFilter())
+        self.setFormatter(logging.Formatter(_log.FORMAT))
+
+    def emit(self, record):
+        self.lines.append(self.format(record))
+
+
 def _worker_tune(rank, world_size, tmp):
     import bagua.autotune as autotune
     from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+
+    bagua_logger = logging.getLogger("bagua")
+    records = _Records()
+    bagua_logger.addHandler(records)
+    setup = (bagua_logger.level, bagua_logger.propagate, [h.get_name() for h in bagua_logger.handlers])
 
     model = make_model(rank)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -58,6 +80,7 @@ def _worker_tune(rank, world_size, tmp):
     again.with_bagua([again_opt], GradientAllReduceAlgorithm())
     reloaded = autotune.attach(again, max_samples=4, space=space, tune_file=os.path.join(tmp, "tune.json"))
     reload_plans = [[t.name for t in b.tensors] for b in again.bagua_buckets]
+    tuned["log"], tuned["log_setup"] = records.lines, setup
     return tuned, params_of(reference), reloaded.finished, reloaded.current, reload_plans, ctl.current
 
 
@@ -86,6 +109,30 @@ def test_all_ranks_switch_together_and_match_ddp(tmp_path):
     for tuned, _, finished, current, reload_plans, _ in results:
         assert finished and current == final  # reloaded, not tuned again
         assert reload_plans == tuned["plans"]
+    _assert_autotune_log(tuned0, tuned1, str(tmp_path / "tune.json"), final)
+
+
+def _assert_autotune_log(tuned0, tuned1, tune_file, final):
+    """Rank 0 logs the start, each window's setting and throughput, the choice, the save and the reload, each
+    record prefixed with its rank; rank 1 logs nothing about autotune."""
+    from bagua.autotune.controller import describe
+
+    assert tuned0["log_setup"] == (logging.INFO, False, ["bagua-stderr", None])  # BAGUA_LOG_LEVEL unset: INFO
+    prefix = "[bagua rank 0] INFO bagua.autotune.controller: autotune: "
+    lines = [line for line in tuned0["log"] if "autotune" in line]
+    assert all(line.startswith(prefix) for line in lines), lines
+    messages = [line[len(prefix):] for line in lines]
+    assert messages[0].startswith("started on 2 rank(s): 4 trial(s) after 0 s of warmup")
+    assert messages[0].endswith(f"the tune will be saved to {tune_file}")
+    windows = r" bucket \d+(\.\d+)? (B|KiB|MiB), hierarchical off, 1 stream: \d+\.\d samples/s \(\d+ steps in "
+    kinds = ["default:"] + [f"trial {i}/4:" for i in (1, 2, 3, 4)] + ["chosen, re-measured:"]
+    assert len(messages) == 1 + len(kinds) + 3, messages
+    for kind, message in zip(kinds, messages[1:]):
+        assert re.match(re.escape(kind) + windows, message), message
+    assert messages[-3].startswith(f"chose {describe(final)}: ")
+    assert messages[-2].startswith(f"saved the tune to {tune_file}; the next run")
+    assert messages[-1].startswith(f"reloaded the tune saved at {tune_file}: {describe(final)}; not tuning")
+    assert not [line for line in tuned1["log"] if "autotune" in line]
 
 
 def _worker_from_env(rank, world_size):

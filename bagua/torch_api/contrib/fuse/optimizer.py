@@ -278,28 +278,21 @@ class _Fuser:
         if not moved and all(map(operator.is_, map(_GRAD, params), seg.grad_views)):
             return bytearray(seg.eligible)
         grads = list(map(_GRAD, params))
-        codes = bytearray(len(params))
-        replaced = []
-        for i, (g, view) in enumerate(zip(grads, seg.grad_views)):
-            if g is view:
-                codes[i] = seg.eligible[i]
-            elif g is not None:
-                replaced.append(i)
+        codes = bytearray(seg.eligible)  # then 0 where the gradient is None or cannot join the flat gradient
+        replaced = [i for i, g, view in zip(range(len(params)), grads, seg.grad_views) if g is not view]
         if moved:
             if not seg.owned or not self._restore_params(seg, moved):
                 return None
             self._warn("moved", "parameters left the flat buffer (.data reassigned?); copying them back")
         if replaced:
-            if not seg.owned:
+            fresh = [i for i in replaced if grads[i] is not None]
+            if fresh and not seg.owned:
                 return None
-            if any(seg.installed[i] for i in replaced):
-                self._warn(
-                    "grads", "gradients were replaced by new tensors (zero_grad(set_to_none=True), the default?); "
-                    "copying them into the flat buffer every step. Use zero_grad(set_to_none=False) to avoid it",
-                )
-            misfits = set(install_grads(seg, replaced))
+            for i in install_grads(seg, fresh, [grads[i] for i in fresh]) if fresh else ():
+                codes[i] = 0
             for i in replaced:
-                codes[i] = 0 if i in misfits else seg.eligible[i]
+                if grads[i] is None:
+                    codes[i] = 0
         return codes
 
     @staticmethod

@@ -1,0 +1,158 @@
+"""The network suite's plot: speedup over torch DDP, one panel per (model, hosts).
+
+One message per figure: how much faster than DDP each system's training step is (higher is better). A panel
+measured at several link bandwidths draws one line with markers per system against the bandwidth; a panel
+measured at a single bandwidth is a bar chart, one labelled bar per system, sorted. Baselines (DDP and its comm
+hooks) are grey and dashed, Bagua's systems coloured, each system in the same colour in every panel; the legend
+sits outside the data, to the right. Step times, accuracy and the command line stay in the tables and JSON.
+
+Example:
+    >>> rows = [{"model": "mlp", "hosts": 2, "bandwidth": "1gbit", "system": s, "status": "ok", "speedup": v}
+    ...         for s, v in (("ddp", 1.0), ("bytegrad", 3.2))]
+    >>> plot(rows, "/tmp/speedup.png", caption="2 emulated hosts")  # doctest: +SKIP
+    '/tmp/speedup.png'
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = ["plot", "figure", "caption_for", "system_order", "TITLE"]
+
+TITLE = "Training step speedup over torch DDP (higher is better)"
+BANDWIDTH_ORDER = ["unshaped", "10gbit", "1gbit", "100mbit"]
+_MARKERS = "os^vD<>pP*hX"
+
+
+def _is_baseline(system: str) -> bool:
+    return system.startswith("ddp")
+
+
+def system_order(systems: list[str]) -> list[str]:
+    """Baselines (``ddp...``) first, then the others by name; each name once."""
+    return sorted(dict.fromkeys(systems), key=lambda s: (not _is_baseline(s), s))
+
+
+def _styles(systems: list[str]) -> dict[str, dict]:
+    """One colour, marker and line style per system, the same in every panel."""
+    greys = ["#444444", "#888888", "#bbbbbb"]
+    styles, baseline, other = {}, 0, 0
+    for i, system in enumerate(systems):
+        if _is_baseline(system):
+            color, baseline = greys[baseline % len(greys)], baseline + 1
+        else:
+            color, other = f"C{other % 10}", other + 1
+        styles[system] = {"color": color, "marker": _MARKERS[i % len(_MARKERS)],
+                          "linestyle": "--" if _is_baseline(system) else "-"}
+    return styles
+
+
+def _bandwidth_key(band: str) -> int:
+    return BANDWIDTH_ORDER.index(band) if band in BANDWIDTH_ORDER else len(BANDWIDTH_ORDER)
+
+
+def _lines(ax, sub: list[dict], systems: list[str], styles: dict[str, dict], bands: list[str]) -> None:
+    import matplotlib.ticker
+
+    for system in systems:
+        pts = {r["bandwidth"]: r["speedup"] for r in sub if r["system"] == system}
+        xs = [j for j, b in enumerate(bands) if b in pts]
+        if xs:
+            ax.plot(xs, [pts[bands[j]] for j in xs], label=system, markersize=6, linewidth=1.6, **styles[system])
+    ax.set_xticks(range(len(bands)))
+    ax.set_xticklabels(bands)
+    ax.set_xlim(-0.3, len(bands) - 0.7)
+    ax.set_xlabel("link bandwidth")
+    ax.set_yscale("log", base=2)
+    ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.grid(True, alpha=0.3)
+
+
+def _bars(ax, sub: list[dict], styles: dict[str, dict]) -> None:
+    ranked = sorted(sub, key=lambda r: r["speedup"])
+    ys = range(len(ranked))
+    ax.barh(ys, [r["speedup"] for r in ranked], color=[styles[r["system"]]["color"] for r in ranked], height=0.6)
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels([r["system"] for r in ranked], fontsize=9)
+    top = max(r["speedup"] for r in ranked)
+    for y, r in zip(ys, ranked):
+        ax.text(r["speedup"] + 0.01 * top, y, f"{r['speedup']:.2f}x", va="center", fontsize=9)
+    ax.set_xlim(0, top * 1.18)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("speedup over DDP (x)")
+    ax.grid(True, axis="x", alpha=0.3)
+
+
+def plot(rows: list[dict], path: str, caption: str = "", title: str = TITLE) -> str:
+    """Draw the speedup of every successful row (after ``add_speedups``) and save a PNG; return ``path``.
+
+    Args:
+        rows: result rows with ``model``, ``hosts``, ``bandwidth``, ``system``, ``status`` and ``speedup``.
+        path: the PNG to write.
+        caption: a short second title line (what was measured where), e.g. ``"2 emulated hosts, tbf links"``.
+        title: the first title line.
+
+    Returns:
+        ``path``.
+    """
+    import matplotlib.pyplot as plt
+
+    fig = figure(rows, caption, title)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def figure(rows: list[dict], caption: str = "", title: str = TITLE):
+    """The matplotlib figure :func:`plot` saves (for tests and notebooks); the caller closes it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("speedup") is not None]
+    if not ok:
+        raise ValueError("no successful row with a speedup to plot; run add_speedups() on rows with a DDP baseline")
+    panels = sorted({(r["model"], r["hosts"]) for r in ok}, key=lambda p: (p[0] != "mlp", p[0], p[1]))
+    systems = system_order([r["system"] for r in ok])
+    styles = _styles(systems)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 2.4, 4.6), squeeze=False)
+    line_panels = 0
+    for ax, (model, hosts) in zip(axes[0], panels):
+        sub = [r for r in ok if (r["model"], r["hosts"]) == (model, hosts)]
+        bands = sorted({r["bandwidth"] for r in sub}, key=_bandwidth_key)
+        if len(bands) > 1:
+            _lines(ax, sub, systems, styles, bands)
+            ax.set_title(f"{model}, {hosts} hosts", fontsize=11)
+            line_panels += 1
+        else:
+            _bars(ax, sub, styles)
+            ax.set_title(f"{model}, {hosts} hosts, {bands[0]}", fontsize=11)
+    axes[0][0].set_ylabel("speedup over DDP (log scale)" if len(_bands_of(ok, panels[0])) > 1 else "")
+    if line_panels:
+        handles, labels = [], []
+        for ax in axes[0]:
+            for h, label in zip(*ax.get_legend_handles_labels()):
+                if label not in labels:
+                    handles.append(h)
+                    labels.append(label)
+        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=9,
+                   title="system", title_fontsize=9)
+    fig.suptitle(title + (f"\n{caption}" if caption else ""), fontsize=12)
+    fig.tight_layout()
+    return fig
+
+
+def _bands_of(rows: list[dict], panel: tuple) -> set:
+    return {r["bandwidth"] for r in rows if (r["model"], r["hosts"]) == panel}
+
+
+def caption_for(meta: dict, rows: Optional[list[dict]] = None) -> str:
+    """A one-line caption from a results file's ``meta``: emulated or loopback links, and when it was measured."""
+    runs = meta.get("runs") or [meta]
+    emulated = all(run.get("emulated", True) for run in runs)
+    dates = sorted({str(run.get("started", ""))[:10] for run in runs if run.get("started")})
+    where = "hosts emulated in network namespaces, tbf-shaped links" if emulated else "loopback, unshaped"
+    when = f"; measured {', '.join(dates)}" if dates else ""
+    return f"median step time; {where}{when}"

@@ -1,0 +1,91 @@
+"""The plots re-rendered from stored results: the file appears, titles are readable, legends sit outside the
+data, a one-bandwidth panel is a bar chart, lines carry markers, and an autotune plot marks the chosen setting."""
+
+from __future__ import annotations
+
+import json
+
+import matplotlib.pyplot as plt
+import pytest
+
+from bagua.autotune import AutotuneLog, Hyperparameters
+from bagua.autotune import log as autotune_log
+from bagua.benchmarks import plots, report
+
+SYSTEMS = {"ddp": (1.0, 1.0), "ddp_fp16": (1.2, 1.9), "bytegrad": (1.1, 3.4), "decentralized": (0.9, 2.2)}
+
+
+def _results(tmp_path):
+    rows = []
+    for system, (fast, slow) in SYSTEMS.items():
+        for band, speedup in (("unshaped", fast), ("1gbit", slow)):
+            rows.append({"model": "mlp", "hosts": 2, "bandwidth": band, "system": system, "status": "ok",
+                         "step_s": 0.1 / speedup})
+        rows.append({"model": "mlp", "hosts": 4, "bandwidth": "1gbit", "system": system, "status": "ok",
+                     "step_s": 0.2 / slow})
+    meta = {"command": "python -m bagua.benchmarks.network --hosts 2 " + "--a-very-long-flag x " * 20,
+            "emulated": True, "started": "2026-11-22 10:50:39"}
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps({"meta": meta, "goals": [], "results": rows}))
+    return path, rows, meta
+
+
+def _right_of_axes(fig, legend) -> bool:
+    renderer = fig.canvas.get_renderer()
+    box = legend.get_window_extent(renderer)
+    return all(box.x0 >= ax.get_window_extent(renderer).x1 for ax in fig.axes)
+
+
+def test_network_plot_rerendered_from_json(tmp_path):
+    path, rows, meta = _results(tmp_path)
+    stored = path.read_text()
+    assert report.main([str(path)]) == 0
+    assert (tmp_path / "suite.png").stat().st_size > 10_000
+    assert path.read_text() == stored and sorted(p.name for p in tmp_path.iterdir()) == ["suite.json", "suite.png"]
+
+    fig = plots.figure(report.add_speedups(rows), caption=plots.caption_for(meta))
+    try:
+        title = fig.get_suptitle()
+        assert title.startswith(plots.TITLE) and "measured 2026-11-22" in title and "python -m" not in title
+        assert all(len(line) < 100 for line in title.splitlines())
+        lines_ax, bars_ax = fig.axes
+        assert lines_ax.get_title() == "mlp, 2 hosts" and bars_ax.get_title() == "mlp, 4 hosts, 1gbit"
+        assert all(line.get_marker() not in (None, "", "None") for line in lines_ax.get_lines()[:len(SYSTEMS)])
+        # the one-bandwidth panel: one labelled bar per system, best on top
+        assert len(bars_ax.patches) == len(SYSTEMS)
+        assert [t.get_text() for t in bars_ax.get_yticklabels()][-1] == "bytegrad"
+        assert [t.get_text() for t in bars_ax.texts][-1] == "3.40x"
+        legend = fig.legends[0]
+        assert [t.get_text() for t in legend.get_texts()] == plots.system_order(list(SYSTEMS))
+        assert _right_of_axes(fig, legend)
+    finally:
+        plt.close(fig)
+
+
+def test_network_plot_refuses_rows_without_speedups(tmp_path):
+    with pytest.raises(ValueError, match="add_speedups"):
+        plots.plot([{"model": "mlp", "hosts": 2, "bandwidth": "1gbit", "system": "bytegrad", "status": "ok"}],
+                   str(tmp_path / "x.png"))
+
+
+def test_autotune_plot_marks_the_chosen_setting(tmp_path):
+    log = AutotuneLog(str(tmp_path / "tune.csv"))
+    log.write(Hyperparameters(10 << 20), 100.0, 10, 0, "default")
+    for trial, (size, score) in enumerate([(1 << 16, 104.0), (1 << 18, 131.0), (1 << 22, 99.0)], start=1):
+        log.write(Hyperparameters(size), score, 10 + 5 * trial, trial, "trial")
+    log.write(Hyperparameters(1 << 18), 125.0, 40, 3, "best")
+    png = autotune_log.plot(log.path, title="Autotune (test)")
+    assert png.endswith("tune.png") and (tmp_path / "tune.png").stat().st_size > 10_000
+
+    fig = autotune_log.figure(log.path, title="Autotune (test)")
+    try:
+        (ax,) = fig.axes
+        assert ax.get_title() == "Autotune (test)\nchose 256 KiB; re-measured: 1.25x the default"
+        chosen = next(line for line in ax.get_lines() if line.get_label() == "chosen setting")
+        assert list(chosen.get_xdata()) == [2] and list(chosen.get_ydata()) == [131.0]
+        assert {t.get_text() for t in ax.texts} == {"64 KiB", "256 KiB", "4 MiB"}
+        renderer = fig.canvas.get_renderer()
+        legend = ax.get_legend()
+        assert legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0  # below the data
+    finally:
+        plt.close(fig)
