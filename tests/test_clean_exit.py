@@ -32,6 +32,4 @@ def test_clean_exit_after_training(nproc, algorithm):
         proc = _launch(nproc, algorithm, 29710 + 10 * attempt + nproc)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0 and "terminate called" not in out, out[-3000:]
-        assert sorted(line for line in proc.stdout.splitlines() if line.startswith("done")) == [
-            f"done {r}" for r in range(nproc)
-        ]
+        assert all(f"done {r}" in proc.stdout for r in range(nproc)), proc.stdout  # every rank got to the end

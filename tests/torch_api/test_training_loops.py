@@ -5,7 +5,9 @@ Each pattern either gives the reference's numbers or fails early on every rank w
 References share no code with the engine: torch DDP where it applies, the same models wrapped as one module, or
 the same loop without the pattern. Tolerances: exact (``torch.equal``) where the maths is the same operations in
 the same order (fp32 with a power-of-two loss scale is exact: scaling by 2^k commutes with float rounding);
-``atol=1e-3`` against another bucket layout under 8-bit compression (one quantization step of these gradients).
+``atol=1e-3`` (ByteGrad) or ``1e-2`` (QAdam, whose Adam step divides by ``sqrt(v)``) against another bucket
+layout under 8-bit compression (a few quantization steps of these gradients; a step missed or applied twice moves
+the weights by ``lr``-sized amounts, far beyond it).
 """
 
 from __future__ import annotations
@@ -170,8 +172,8 @@ def test_two_models_in_one_backward_match_one_module(name):
         for got, want in zip(apart[rank], together[rank]):
             if exact:
                 assert torch.equal(got, want)
-            else:
-                assert_close(got, want, rtol=0, atol=1e-3)
+            else:  # 8-bit rounding of other chunks; Adam divides by sqrt(v), so QAdam's steps amplify it
+                assert_close(got, want, rtol=0, atol=1e-3 if name == "bytegrad" else 1e-2)
 
 
 # -- the user's own collectives between forward and backward -------------------------------------------------------
