@@ -5,7 +5,8 @@ Run on 2 local CPU processes:
     python -m bagua.distributed.launch --nproc_per_node=2 examples/digits.py
 
 Each algorithm trains the same model from the same initial weights on the same shards of the data, and is
-scored on the held-out test set. Then every system's training step is timed: after a warm-up, the systems take
+scored on the held-out test set; then again with mixed precision (bf16 autocast and ``torch.amp.GradScaler``, the
+loop a GPU user writes; ``--no-amp`` skips it). Then every system's training step is timed: after a warm-up, the systems take
 turns (``--rounds`` rounds of ``--timed-steps`` steps each, the order rotated every round so that none is always
 first), each rank takes the median step of every turn, the slowest rank's counts, and the table shows the median
 over rounds and the speedup over torch DDP (DDP's step / the system's step in the same round, median over
@@ -32,6 +33,7 @@ parser.add_argument("--lr", type=float, default=0.05)
 parser.add_argument("--algorithms", default="all", help="comma-separated names, or 'all'")
 parser.add_argument("--rounds", type=int, default=15, help="timing: turns per system")
 parser.add_argument("--timed-steps", type=int, default=30, help="timing: steps per turn (after 5 untimed ones)")
+parser.add_argument("--no-amp", action="store_true", help="skip the mixed-precision (bf16 autocast + GradScaler) runs")
 args = parser.parse_args()
 
 torch.set_num_threads(1)
@@ -80,28 +82,36 @@ def evaluate(model):
     return acc
 
 
-def train_step(runner, opt, loss_fn, idx):
+def train_step(runner, opt, loss_fn, idx, scaler=None):
     opt.zero_grad()
-    loss = loss_fn(runner(X_shard[idx]), y_shard[idx])
-    loss.backward()
-    opt.step()
+    if scaler is None:
+        loss = loss_fn(runner(X_shard[idx]), y_shard[idx])
+        loss.backward()
+        opt.step()
+        return loss
+    # mixed precision as a GPU user writes it: bf16 autocast for the forward, fp16-style loss scaling with
+    # GradScaler (a skipped step on overflow, identical on every rank)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(runner(X_shard[idx]), y_shard[idx])
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
     return loss
 
 
-names = ["torch_ddp"] + (
-    GlobalAlgorithmRegistry.available_algorithms() if args.algorithms == "all" else args.algorithms.split(",")
-)
-loss_fn = torch.nn.CrossEntropyLoss()
-systems, accuracy = {}, {}
-for name in names:
+def train(name, amp):
+    """Train one system for --epochs; return its (runner, model, optimizer) and its test accuracy."""
     runner, model, opt = make_run(name)
+    scaler = torch.amp.GradScaler("cpu") if amp else None
     if name == "async":
         model.bagua_algorithm.resume(model)
-    bar = tqdm(total=args.epochs * steps_per_epoch, desc=f"{name:>28}", disable=rank != 0, leave=True)
+    desc = f"{name + (' + AMP' if amp else ''):>28}"
+    bar = tqdm(total=args.epochs * steps_per_epoch, desc=desc, disable=rank != 0, leave=True)
     for epoch in range(args.epochs):
         order = torch.randperm(len(X_shard), generator=torch.Generator().manual_seed(epoch))
         for step in range(steps_per_epoch):
-            loss = train_step(runner, opt, loss_fn, order[step * args.batch_size : (step + 1) * args.batch_size])
+            idx = order[step * args.batch_size : (step + 1) * args.batch_size]
+            loss = train_step(runner, opt, loss_fn, idx, scaler)
             bar.update(1)
         bar.set_postfix(loss=f"{loss.item():.3f}")
     if name == "async":
@@ -110,8 +120,18 @@ for name in names:
     dist.barrier()
     acc = torch.tensor([evaluate(model)])
     dist.all_reduce(acc)  # mean over ranks (decentralized/async ranks may hold slightly different weights)
-    accuracy[name] = acc.item() / world
-    systems[name] = (runner, model, opt)
+    return (runner, model, opt), acc.item() / world
+
+
+names = ["torch_ddp"] + (
+    GlobalAlgorithmRegistry.available_algorithms() if args.algorithms == "all" else args.algorithms.split(",")
+)
+loss_fn = torch.nn.CrossEntropyLoss()
+systems, accuracy, amp_accuracy = {}, {}, {}
+for name in names:
+    systems[name], accuracy[name] = train(name, amp=False)
+    if not args.no_amp:
+        _, amp_accuracy[name] = train(name, amp=True)
 
 # timing: the systems take turns, the order rotated every round; one turn = 5 untimed steps (caches and buffers
 # warm up after the previous system) and --timed-steps timed ones, of which each rank keeps the median
@@ -139,14 +159,16 @@ bar.close()
 
 if rank == 0:
     ddp = turns["torch_ddp"]
-    print(f"\n{'system':>28} | {'test acc':>8} | {'step ms':>7} | {'speedup vs DDP (IQR)':>21}")
-    print("-" * 75)
+    print(f"\n{'system':>28} | {'test acc':>8} | {'AMP acc':>8} | {'step ms':>7} | {'speedup vs DDP (IQR)':>21}")
+    print("-" * 86)
     for name in names:
         ratios = [d / t for d, t in zip(ddp, turns[name])]  # DDP's step / this system's, in the same round
         q1, speedup, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
-        print(f"{name:>28} | {accuracy[name] * 100:7.2f}% | {statistics.median(turns[name]) * 1e3:7.2f} | "
+        amp = f"{amp_accuracy[name] * 100:7.2f}%" if name in amp_accuracy else f"{'-':>8}"
+        print(f"{name:>28} | {accuracy[name] * 100:7.2f}% | {amp} | {statistics.median(turns[name]) * 1e3:7.2f} | "
               f"{speedup:8.2f}x ({q1:.2f}-{q3:.2f})")
     print(f"\n{world} processes, {args.epochs} epochs, batch {args.batch_size} per rank, digits (sklearn). step: "
           f"median over {args.rounds} rounds of the slowest rank's median of {args.timed_steps} steps; speedup "
           "(higher is better): median over rounds of DDP's step / the system's step in the same round, with its "
-          "interquartile range. async's step does not include its averaging, which runs on a background thread.")
+          "interquartile range. async's step does not include its averaging, which runs on a background thread. "
+          "AMP acc: the same training under bf16 autocast with torch.amp.GradScaler.")

@@ -17,11 +17,12 @@ from typing import Any, Optional
 
 from bagua.autotune.controller import AutotuneController
 from bagua.autotune.tuner import TuneSpace
-from bagua.torch_api import env, multistream
+from bagua.torch_api import communication, env, multistream
 
 __all__ = ["attach", "choose_streams", "detach", "get_controller", "on_wrap"]
 
 _controllers: "weakref.WeakKeyDictionary[Any, AutotuneController]" = weakref.WeakKeyDictionary()
+communication.on_shutdown(_controllers.clear, order=1)  # at exit: let the controllers' groups (and threads) go
 
 
 def _engine(model: Any) -> Any:

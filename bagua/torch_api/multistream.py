@@ -206,6 +206,7 @@ def _finish(tensor: torch.Tensor, op: ReduceOp, n: int) -> None:
 # -- the registry: which groups allreduce over several streams ------------------------------------------------
 
 _registry: dict[int, MultiStreamGroup] = {}
+communication.on_shutdown(_registry.clear, order=1)  # at exit: let the streams' groups (and threads) go
 
 
 def get(group: Comm = None) -> Optional[MultiStreamGroup]:

@@ -463,3 +463,50 @@ def test_shift_one_refuses_a_hierarchical_mode_with_an_odd_number_of_nodes():
     impl = DecentralizedAlgorithmImpl(group, hierarchical=False, peer_selection_mode="shift_one")
     assert impl.accepts_hierarchical(False) and not impl.accepts_hierarchical(True)
     assert DecentralizedAlgorithmImpl(group, hierarchical=False).accepts_hierarchical(True)  # "all" takes any count
+
+
+# -- several backwards per optimizer step -----------------------------------------------------------------------------
+
+
+def _worker_several_backwards(rank, world_size, mode, use_ddp):
+    model = make_model(rank)
+    if use_ddp:
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    else:
+        from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        wrapped = model.with_bagua([opt], GradientAllReduceAlgorithm())
+    for step in range(4):
+        opt.zero_grad()
+        if mode == "retain_graph":  # two losses of one forward, two backwards
+            x, y = batch(rank, step)
+            out = wrapped(x)
+            torch.nn.functional.mse_loss(out, y).backward(retain_graph=True)
+            out.square().mean().backward()
+        else:  # gradient accumulation over 3 micro-batches, communicating at each backward or only at the last
+            for micro in range(3):
+                x, y = batch(rank, step * 3 + micro)
+                sync = mode == "accumulate" or micro == 2
+                with (wrapped.no_sync() if not sync else _nullcontext()):
+                    torch.nn.functional.mse_loss(wrapped(x), y).backward()
+        opt.step()
+    return params_of(model)
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("mode", ["retain_graph", "accumulate", "accumulate_no_sync"])
+def test_several_backwards_per_step_equal_torch_ddp(mode):
+    ddp = run_workers(_worker_several_backwards, 2, mode, True)
+    bagua = run_workers(_worker_several_backwards, 2, mode, False)
+    for rank in range(2):
+        for got, want in zip(bagua[rank], ddp[rank]):
+            assert_close(got, want, rtol=1e-5, atol=1e-6)

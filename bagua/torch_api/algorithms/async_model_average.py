@@ -354,7 +354,7 @@ def _stop_all_at_exit() -> None:  # also run by Bagua's exit handler, before the
             impl._thread.join(1.0)
 
 
-comm.on_shutdown(_stop_all_at_exit)
+comm.on_shutdown(_stop_all_at_exit, order=0)
 
 
 @GlobalAlgorithmRegistry.register("async", description="asynchronous model averaging in a background thread")

@@ -18,7 +18,7 @@ import torch
 from bagua.torch_api import communication as comm
 from bagua.torch_api.process_group import BaguaProcessGroup
 
-__all__ = ["private_group", "enable_multistream_like", "CommWorker"]
+__all__ = ["private_group", "enable_multistream_like", "CommWorker", "register_engine"]
 
 _engine_count = 0  # private groups created in this process; the same on every rank, since wrapping is collective
 _private_groups: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -101,6 +101,12 @@ class CommWorker:
 
 
 _live_workers: "weakref.WeakSet[CommWorker]" = weakref.WeakSet()
+_live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def register_engine(engine: Any) -> None:
+    """Let the exit handler release ``engine``'s process groups (see :func:`bagua.torch_api.lifecycle._shutdown`)."""
+    _live_engines.add(engine)
 
 
 def _close_workers_at_exit() -> None:
@@ -108,4 +114,12 @@ def _close_workers_at_exit() -> None:
         worker.close(join_timeout_s=1.0)
 
 
-comm.on_shutdown(_close_workers_at_exit)
+def _release_groups_at_exit() -> None:
+    # a group's C++ threads are joined when the group is freed: drop every reference the engines hold
+    for engine in list(_live_engines):
+        engine._release_for_exit()
+    _private_groups.clear()
+
+
+comm.on_shutdown(_close_workers_at_exit, order=0)
+comm.on_shutdown(_release_groups_at_exit, order=1)

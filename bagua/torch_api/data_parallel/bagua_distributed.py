@@ -26,7 +26,7 @@ from bagua.torch_api import env
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket, split_bucket_by_bucket_size
 from bagua.torch_api.data_parallel import _state_sync
-from bagua.torch_api.data_parallel._comm_plane import CommWorker, enable_multistream_like, private_group
+from bagua.torch_api.data_parallel._comm_plane import CommWorker, enable_multistream_like, private_group, register_engine
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
@@ -123,6 +123,7 @@ class BaguaDistributedDataParallel:
         self.process_group = private_group(module, process_group)
         self.impl: AlgorithmImpl = algorithm.reify(self.process_group)
         self._worker = CommWorker(f"bagua-comm-{self.bagua_module_name}", self.process_group.stream)
+        register_engine(self)
         # one small collective: every rank learns whether the model/optimizers agree everywhere
         try:
             _state_sync.check_consistency(
@@ -389,6 +390,13 @@ class BaguaDistributedDataParallel:
             self.require_backward_grad_sync = previous
 
     # -- teardown ----------------------------------------------------------------------------------------------
+
+    def _release_for_exit(self) -> None:
+        """At interpreter exit (threads already stopped): drop what references the engine's process groups."""
+        for name in ("impl", "process_group", "user_process_group", "bagua_buckets", "_bagua_tensors",
+                     "_tensor_by_name", "_pending", "_forward_pre_fn", "_backward_fn", "_post_backward_fn",
+                     "_post_step_fn", "autotune"):
+            self.__dict__.pop(name, None)
 
     def close(self) -> None:
         """Wait for pending work, remove every hook, stop the communication thread and the algorithm."""
