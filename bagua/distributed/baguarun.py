@@ -9,7 +9,8 @@ every host ``i`` of the list, over ``ssh -tt -o BatchMode=yes`` (see :mod:`bagua
 so every host needs the same Python at the same path and the script at the same place (a shared file system or
 identical images), and key authentication from this machine. Output comes back prefixed by host; stopping
 ``baguarun`` (Ctrl-C, SIGTERM, even SIGKILL) stops every remote process. ``-x VAR`` forwards this machine's
-value of ``VAR``, ``-x VAR=value`` a given one (repeatable).
+value of ``VAR``, ``-x VAR=value`` a given one (repeatable); the values travel on the remote command line, where ``ps`` on the
+hosts shows them, so pass no secrets with ``-x``.
 
 With ``--no_ssh``, ``baguarun`` opens no ssh connection: run the same command on every host yourself (scheduler,
 ``pdsh``); the hosts then meet in a c10d rendezvous on the first host. Without ``--host_list`` (and without

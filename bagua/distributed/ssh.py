@@ -14,8 +14,8 @@ When one host's command fails, the others are stopped (their workers would other
 peers until a timeout).
 
 Example:
-    >>> ssh_argv("node1", "hostname", port=2222, options=["IdentityFile=/k"])
-    ['ssh', '-tt', '-o', 'BatchMode=yes', '-p', '2222', '-o', 'IdentityFile=/k', 'node1', 'hostname']
+    >>> ssh_argv("node1", "hostname", port=2222, options=["IdentityFile=/k"])[4:]
+    ['-p', '2222', '-o', 'IdentityFile=/k', '-o', 'LogLevel=ERROR', 'node1', 'hostname']
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence, TextIO
 __all__ = ["split_host", "ssh_argv", "run_on_hosts"]
 
 _STOP_GRACE_S = 10.0
+_CRLF = "\r\n"  # a pseudo-terminal ends lines with both
 _PR_SET_PDEATHSIG = 1
 
 
@@ -69,9 +70,9 @@ def ssh_argv(destination: str, command: str, port: Optional[int] = None, options
     argv = ["ssh", "-tt", "-o", "BatchMode=yes"]
     if port is not None:
         argv += ["-p", str(port)]
-    for option in options:
+    for option in options:  # ssh keeps the first value given for an option: the user's come before our defaults
         argv += ["-o", option]
-    return argv + [destination, command]
+    return argv + ["-o", "LogLevel=ERROR", destination, command]  # no "Connection to ... closed." line
 
 
 def _die_with_parent(parent: int) -> Callable[[], None]:
@@ -91,7 +92,7 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 def _pump(name: str, stream: TextIO, out: TextIO, lock: threading.Lock) -> None:
     for line in stream:
         with lock:
-            out.write(f"[{name}] {line.rstrip(chr(13) + chr(10))}\n")  # a pty ends lines with \r\n
+            out.write(f"[{name}] {line.rstrip(_CRLF)}\n")
             out.flush()
 
 
