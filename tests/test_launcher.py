@@ -105,6 +105,12 @@ def test_baguarun_rejects_bad_input_and_names_the_fix(argv, message):
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
 
 
+def test_baguarun_without_an_ssh_client_says_what_to_install(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bagua.distributed.baguarun", "--host_list", "a,b", "t.py"],
+                          env=dict(os.environ, PATH=str(tmp_path)), capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "no ssh client found: install OpenSSH" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_baguarun_no_ssh_runs_this_host_and_exports_x(tmp_path):
     env_mark = dict(os.environ, BAGUA_TEST_MARK="from-this-host")
     proc = subprocess.run(

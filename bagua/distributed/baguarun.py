@@ -23,6 +23,7 @@ import argparse
 import os
 import re
 import shlex
+import shutil
 import signal
 import sys
 from typing import Optional, Sequence
@@ -167,6 +168,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         launch(args, _PROG)
         return
     _check_no_layout_flags(args)
+    if shutil.which("ssh") is None:
+        raise SystemExit(f"{_PROG}: no ssh client found: install OpenSSH (e.g. apt-get install openssh-client), or "
+                         "use --no_ssh and start each host yourself")
     commands = [(address, ssh.ssh_argv(destination, remote_command(args, i), port or args.ssh_port,
                                        args.ssh_option)) for i, (destination, address, port) in enumerate(args.hosts)]
     signal.signal(signal.SIGTERM, _raise_system_exit)  # so run_on_hosts' cleanup stops every host
