@@ -111,12 +111,15 @@ def test_baguarun_without_an_ssh_client_says_what_to_install(tmp_path):
     assert proc.returncode != 0 and "no ssh client found: install OpenSSH" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_baguarun_no_ssh_runs_this_host_and_exports_x(tmp_path):
-    env_mark = dict(os.environ, BAGUA_TEST_MARK="from-this-host")
+@pytest.mark.parametrize("where", ["no_ssh", "no_host_list"])
+def test_baguarun_on_this_host_exports_x(tmp_path, where):
+    # --no_ssh: a c10d rendezvous on the first host; no host list: like bagua.distributed.run (torch picks a port)
+    hosts = ["--host_list", "127.0.0.1", "--no_ssh", "--master_port", str(_free_port())] if where == "no_ssh" else []
     proc = subprocess.run(
-        [sys.executable, "-m", "bagua.distributed.baguarun", "--host_list", "127.0.0.1", "--no_ssh",
-         "--master_port", str(_free_port()), "--nproc_per_node=2", "-x", "BAGUA_TEST_MARK", SCRIPT, str(tmp_path), "2"],
-        env=dict(env_mark, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=180)
+        [sys.executable, "-m", "bagua.distributed.baguarun", *hosts, "--nproc_per_node=2", "-x", "BAGUA_TEST_MARK",
+         SCRIPT, str(tmp_path), "2"],
+        env=dict(os.environ, BAGUA_TEST_MARK="from-this-host", OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [f["mark"] for f in _finals(tmp_path)] == ["from-this-host"] * 2
 

@@ -121,8 +121,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise SystemExit(f"{_PROG}: --host_list is empty; give hosts as 'node0,node1'")
     args.script_argv = [args.training_script, *args.training_script_args]
     args.launcher_argv = _launcher_argv(argv, args.script_argv)
-    if args.master_port is None:
-        args.master_port = 29500
+    args.host_port = args.master_port or 29500  # the rendezvous port on the first host (torchrun's default)
     return args
 
 
@@ -135,7 +134,7 @@ def remote_command(args: argparse.Namespace, node_rank: int) -> str:
         'bagua.distributed.run --nproc_per_node 2 --nnodes=2 --node_rank=1 --master_addr=n0 --master_port=29500 t.py --lr 1'
     """
     forwarded = [*args.launcher_argv, f"--nnodes={len(args.hosts)}", f"--node_rank={node_rank}",
-                 f"--master_addr={args.hosts[0][1]}", f"--master_port={args.master_port}"]
+                 f"--master_addr={args.hosts[0][1]}", f"--master_port={args.host_port}"]
     exports = [f"{name}={value}" for name, value in args.exports.items()]
     words = ["env", *exports, args.remote_python, "-m", "bagua.distributed.run", *forwarded, *args.script_argv]
     return f"cd {shlex.quote(os.getcwd())} && exec " + " ".join(shlex.quote(w) for w in words)
@@ -161,9 +160,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         if args.hosts:  # --no_ssh: this host joins an elastic rendezvous on the first host
             args.nnodes = str(len(args.hosts))
             args.rdzv_backend = "c10d"
-            args.rdzv_endpoint = f"{args.hosts[0][1]}:{args.master_port}"
+            args.rdzv_endpoint = f"{args.hosts[0][1]}:{args.host_port}"
             if args.rdzv_id == "none":
-                args.rdzv_id = f"baguarun-{args.hosts[0][1]}-{args.master_port}"
+                args.rdzv_id = f"baguarun-{args.hosts[0][1]}-{args.host_port}"
         os.environ.update(args.exports)
         launch(args, _PROG)
         return
