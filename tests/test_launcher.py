@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -117,11 +118,12 @@ def test_baguarun_on_this_host_exports_x(tmp_path, where):
     hosts = ["--host_list", "127.0.0.1", "--no_ssh", "--master_port", str(_free_port())] if where == "no_ssh" else []
     proc = subprocess.run(
         [sys.executable, "-m", "bagua.distributed.baguarun", *hosts, "--nproc_per_node=2", "-x", "BAGUA_TEST_MARK",
-         SCRIPT, str(tmp_path), "2"],
+         os.path.join(os.path.dirname(SCRIPT), "report_env.py"), str(tmp_path)],
         env=dict(os.environ, BAGUA_TEST_MARK="from-this-host", OMP_NUM_THREADS="1"), capture_output=True, text=True,
         timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [f["mark"] for f in _finals(tmp_path)] == ["from-this-host"] * 2
+    reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["mark"], r["world_size"], r["sum"]) for r in reports] == [("from-this-host", 2, 3.0)] * 2
 
 
 def _free_port():
