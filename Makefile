@@ -6,23 +6,36 @@ PYTEST_ARGS ?=
 
 .PHONY: setup system-deps demo test bench clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed-dev
 
-$(VENV)/.installed: pyproject.toml requirements/ci.txt
-	python3 -m venv $(VENV)
-	$(PY) -m pip install -q -r requirements/ci.txt
-	$(PY) -m pip install -q -c requirements/ci.txt -e ".[dev]"
+# One stamp per extra set: `make demo` installs bagua[examples] (torch, numpy, tqdm, lmdb, scikit-learn), `make test`
+# bagua[dev] (every extra and pytest). pip prints each package as it goes: the torch wheel alone is ~200 MB.
+$(VENV)/.installed-%: pyproject.toml requirements/ci.txt
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@echo "== installing torch (CPU build) and bagua[$*] into $(VENV)"
+	$(PY) -m pip install --progress-bar on -r requirements/ci.txt
+	$(PY) -m pip install --progress-bar on -c requirements/ci.txt -e ".[$*]"
 	touch $@
 
-# redis-server for the Redis cache backend tests, iproute2 for the network benchmark (both Debian packages).
+# redis-server for the Redis cache backend tests, iproute2 for the network benchmark, OpenSSH for the baguarun-over-ssh
+# test (all Debian packages). openssh-server is installed only where package scripts may not start services
+# (policy-rc.d says no, as in containers): elsewhere it would start an sshd listening on port 22.
 system-deps:
-	@if ! command -v redis-server >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; then \
+	@pkgs=""; \
+	command -v redis-server >/dev/null 2>&1 || pkgs="$$pkgs redis-server"; \
+	command -v ip >/dev/null 2>&1 || pkgs="$$pkgs iproute2"; \
+	command -v ssh >/dev/null 2>&1 || pkgs="$$pkgs openssh-client"; \
+	if ! test -x /usr/sbin/sshd; then \
+		if /usr/sbin/policy-rc.d ssh start >/dev/null 2>&1; [ $$? = 101 ]; then pkgs="$$pkgs openssh-server"; \
+		else echo "note: install openssh-server to run the baguarun ssh test (skipped otherwise)"; fi; \
+	fi; \
+	if [ -n "$$pkgs" ]; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server iproute2 >/dev/null; \
-		else echo "note: install redis-server and iproute2 to run every test (they are skipped otherwise)"; fi; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$pkgs >/dev/null; \
+		else echo "note: install$$pkgs to run every test (the tests that need them are skipped otherwise)"; fi; \
 	fi
 
-demo: setup
+demo: $(VENV)/.installed-examples
 	$(PY) -m bagua.distributed.launch --nproc_per_node=2 examples/digits.py
 
 test: setup system-deps

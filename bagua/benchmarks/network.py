@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -32,8 +33,10 @@ from bagua.benchmarks import netns, report
 from bagua.benchmarks.workload import MODELS, available_systems, split_system
 from bagua.torch_api import env
 
-__all__ = ["Job", "parse_args", "resolve_systems", "run_job", "run_suite", "main"]
+__all__ = ["Job", "parse_args", "check_optional_imports", "resolve_systems", "run_job", "run_suite", "main"]
 
+#: models that need an optional package: model -> (module, pip name); the ``bench`` extra installs them all.
+_MODEL_IMPORTS = {"digits": ("sklearn", "scikit-learn")}
 _STEP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
               "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID")
 
@@ -256,9 +259,37 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     return args
 
 
+def check_optional_imports(models: Sequence[str], want_plot: bool) -> bool:
+    """Check, before any work, the optional packages the run needs; return whether the plot can be drawn.
+
+    Args:
+        models: the models to run; one that needs a missing package (digits: scikit-learn) is an error.
+        want_plot: whether a PNG plot was asked for (``--out-dir``); without matplotlib a note is printed and
+            only the JSON and CSV are written.
+
+    Returns:
+        True when matplotlib is importable and a plot was asked for.
+
+    Example:
+        >>> check_optional_imports(["mlp"], want_plot=False)
+        False
+    """
+    for model in models:
+        module, package = _MODEL_IMPORTS.get(model, (None, None))
+        if module is not None and importlib.util.find_spec(module) is None:
+            raise SystemExit(f"bagua-bench: the {model} model needs {package}, which is not installed: "
+                             f"pip install 'bagua[bench]' (or leave the model out, e.g. --models mlp)")
+    if want_plot and importlib.util.find_spec("matplotlib") is None:
+        print("bagua-bench: matplotlib is not installed, so no PNG plot will be drawn (the JSON and CSV are "
+              "written); pip install 'bagua[bench]' for the plot", file=sys.stderr)
+        return False
+    return want_plot
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Entry point of ``bagua-bench`` and ``python -m bagua.benchmarks.network``."""
     args = parse_args(argv)
+    make_plot = check_optional_imports(args.models, want_plot=bool(args.out_dir))
     rows, meta = run_suite(args)
     rows = report.add_speedups(report.combine_repeats(rows))
     print(report.format_table(rows))
@@ -267,7 +298,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print()
         print(report.format_goals(goals))
     if args.out_dir:
-        paths = report.write_results(args.out_dir, args.name, rows, meta, make_plot=True, goals=goals)
+        paths = report.write_results(args.out_dir, args.name, rows, meta, make_plot=make_plot, goals=goals)
         print("\nwrote " + ", ".join(paths))
     return 0 if all(r["status"] == "ok" for r in rows) else 1
 

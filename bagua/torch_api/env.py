@@ -43,6 +43,13 @@ __all__ = [
     "get_bool",
     "environ_snapshot",
     "set_default",
+    "is_slurm_job",
+    "slurm_first_host",
+    "slurm_master_port",
+    "slurm_tasks_on_node",
+    "slurm_process_env",
+    "get_ssh_port",
+    "get_node_domain_names",
 ]
 
 #: Allocator settings that make large, short-lived CPU tensors cheap on Linux: without them every fresh 100 MB
@@ -260,3 +267,129 @@ def get_log_level() -> str:
     if level not in LOG_LEVELS:
         raise ValueError(f"BAGUA_LOG_LEVEL={level!r} is not a log level; use one of {', '.join(LOG_LEVELS)}")
     return level
+
+
+# -- Slurm ---------------------------------------------------------------------------------------------------
+# A job started by `srun python train.py` (no torchrun) is described by SLURM_* variables; they map onto the
+# variables torchrun would have set, as Lightning's SLURMEnvironment maps them.
+
+
+def is_slurm_job() -> bool:
+    """Whether ``srun`` started this process as one task of a job (``SLURM_NTASKS`` and ``SLURM_PROCID`` set,
+    and the job is not an interactive ``srun --pty bash`` shell, whose tasks are not training processes)."""
+    interactive = get_str("SLURM_JOB_NAME") in ("bash", "interactive")
+    return get_str("SLURM_NTASKS") != "" and get_str("SLURM_PROCID") != "" and not interactive
+
+
+def slurm_first_host(nodelist: str) -> str:
+    """Return the first host of a Slurm host list (``SLURM_JOB_NODELIST`` syntax).
+
+    Args:
+        nodelist: e.g. ``"gpu[003-005,9],cpu1"`` or ``"rack[1-2]-n[07-08]"``.
+
+    Returns:
+        The first host name, zero padding kept (``"gpu003"``, ``"rack1-n07"``).
+
+    Example:
+        >>> slurm_first_host("node[007-009,12],login1")
+        'node007'
+    """
+    first, depth = "", 0
+    for ch in nodelist.strip():  # the first item of the top-level comma list
+        if ch == "," and depth == 0:
+            break
+        depth += (ch == "[") - (ch == "]")
+        first += ch
+    host = ""
+    while "[" in first:  # each bracket group contributes its first element
+        prefix, _, rest = first.partition("[")
+        group, _, first = rest.partition("]")
+        host += prefix + group.split(",")[0].split("-")[0]
+    host += first
+    if not host or depth != 0:
+        raise ValueError(f"cannot read the Slurm host list {nodelist!r}; expected e.g. 'node[01-04],gpu7'")
+    return host
+
+
+def slurm_master_port(job_id: str) -> int:
+    """Return a rendezvous port all tasks of job ``job_id`` agree on without talking: 15000 + the job id's last
+    four digits (Lightning's rule), so two jobs sharing a node rarely collide.
+
+    Example:
+        >>> slurm_master_port("4812345")
+        17345
+    """
+    digits = "".join(ch for ch in job_id if ch.isdigit())
+    if not digits:
+        raise ValueError(f"SLURM_JOB_ID={job_id!r} has no digits to derive a port from; set MASTER_PORT instead")
+    return 15000 + int(digits[-4:])
+
+
+def slurm_tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Return the number of tasks on node ``node_id`` from ``SLURM_TASKS_PER_NODE`` (``"4(x2),2"``: 4, 4, 2).
+
+    Example:
+        >>> slurm_tasks_on_node("4(x2),2", 2)
+        2
+    """
+    counts: list[int] = []
+    for item in tasks_per_node.split(","):
+        count, _, repeat = item.strip().partition("(x")
+        try:
+            counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
+        except ValueError:
+            raise ValueError(f"cannot read SLURM_TASKS_PER_NODE={tasks_per_node!r}; expected e.g. '4(x2),2'") from None
+    if not 0 <= node_id < len(counts):
+        raise ValueError(f"SLURM_NODEID={node_id} is outside SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+    return counts[node_id]
+
+
+def slurm_process_env() -> dict[str, str]:
+    """Return the torchrun-style variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) of this Slurm task; ``MASTER_ADDR``/``MASTER_PORT`` set by
+    the user are kept.
+
+    Returns:
+        The mapping, read from ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``, ``SLURM_TASKS_PER_NODE``,
+        ``SLURM_NODEID``, ``SLURM_JOB_NODELIST`` (first host) and ``SLURM_JOB_ID`` (port).
+
+    Example:
+        >>> slurm_process_env()["RANK"]  # doctest: +SKIP
+        '3'
+    """
+    rank, world = get_int("SLURM_PROCID", 0), get_int("SLURM_NTASKS", 1)
+    if not 0 <= rank < world:
+        raise ValueError(f"SLURM_PROCID={rank} must be in [0, SLURM_NTASKS={world})")
+    node = get_int("SLURM_NODEID", 0)
+    local = get_int("SLURM_LOCALID", 0)
+    if get_str("SLURM_TASKS_PER_NODE") != "":
+        local_world = slurm_tasks_on_node(get_str("SLURM_TASKS_PER_NODE"), node)
+    else:
+        local_world = get_int("SLURM_NTASKS_PER_NODE", world)
+    nodelist = get_str("SLURM_JOB_NODELIST") or get_str("SLURM_NODELIST")
+    if get_str("MASTER_ADDR") == "" and nodelist == "":
+        raise ValueError("a Slurm task needs SLURM_JOB_NODELIST (or MASTER_ADDR) to find rank 0's host")
+    if get_str("MASTER_PORT") == "" and get_str("SLURM_JOB_ID") == "":
+        raise ValueError("a Slurm task needs SLURM_JOB_ID (or MASTER_PORT) to agree on a rendezvous port")
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(local_world),
+        "NODE_RANK": str(node),
+        "MASTER_ADDR": get_str("MASTER_ADDR") or slurm_first_host(nodelist),
+        "MASTER_PORT": get_str("MASTER_PORT") or str(slurm_master_port(get_str("SLURM_JOB_ID"))),
+    }
+
+
+# -- baguarun over ssh ---------------------------------------------------------------------------------------
+
+
+def get_ssh_port() -> Optional[int]:
+    """ssh port of every host for ``baguarun`` (``BAGUA_SSH_PORT``, the original's variable); ``None``: ssh's own."""
+    return get_int("BAGUA_SSH_PORT", 0) or None
+
+
+def get_node_domain_names() -> str:
+    """Comma-separated hosts for ``baguarun`` when ``--host_list`` is not given (``BAGUA_NODE_DOMAIN_NAMES``)."""
+    return get_str("BAGUA_NODE_DOMAIN_NAMES")

@@ -76,7 +76,8 @@ def init_process_group(
 ) -> None:
     """Initialize Bagua and, unless already done, ``torch.distributed``.
 
-    Under ``torchrun`` or ``python -m bagua.distributed.launch`` call it with no arguments. With ``store``,
+    Under ``torchrun``, ``python -m bagua.distributed.launch`` or ``srun`` (Slurm, read from ``SLURM_*``; see
+    :func:`bagua.torch_api.env.slurm_process_env`) call it with no arguments. With ``store``,
     ``rank``, ``world_size`` and ``local_world_size`` must be given. Without any launcher it starts a single
     process job. The backend is NCCL when CUDA and NCCL are available, otherwise gloo; on CUDA the device is
     chosen from ``LOCAL_RANK``.
@@ -109,6 +110,8 @@ def init_process_group(
                 "LOCAL_WORLD_SIZE": str(local_world_size),
             }
         )
+    if store is None and not dist.is_initialized() and not env.is_launched() and env.is_slurm_job():
+        env._export(env.slurm_process_env())  # `srun python train.py`: the SLURM_* variables describe this task
     timeout = timeout or datetime.timedelta(seconds=env.get_comm_timeout_s())
     use_cuda = torch.cuda.is_available() and dist.is_nccl_available()
     if use_cuda:

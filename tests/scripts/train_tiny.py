@@ -1,6 +1,6 @@
 """A tiny training script run by the launcher tests under `python -m bagua.distributed.launch/run`.
 
-Usage: train_tiny.py OUT_DIR STEPS [--crash-at STEP] [--local-rank N]
+Usage: train_tiny.py OUT_DIR STEPS [--crash-at STEP] [--local_rank N]
 Saves a checkpoint after every step (rank 0), resumes from the latest one, and writes each rank's final weights.
 With --crash-at, rank 1 exits abruptly at that step on the first attempt (TORCHELASTIC_RESTART_COUNT == 0).
 """
@@ -18,7 +18,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("steps", type=int)
 parser.add_argument("--crash-at", type=int, default=-1)
-parser.add_argument("--local-rank", "--local_rank", type=int, default=None)
+parser.add_argument("--local_rank", type=int, default=None)  # only the original's spelling, as old scripts have
 args = parser.parse_args()
 
 bagua.init_process_group()
@@ -41,6 +41,7 @@ for step in range(start, args.steps):
     save_checkpoint(step + 1, ckpt, model, optimizer)
 torch.save(
     {"params": [p.detach() for p in model.parameters()], "local_rank_arg": args.local_rank, "attempt": attempt,
-     "start": start},
+     "start": start, "mark": os.environ.get("BAGUA_TEST_MARK")},
     os.path.join(args.out, f"final_rank{rank}.pt"),
 )
+print(f"rank {rank} trained {args.steps - start} steps", flush=True)

@@ -123,3 +123,14 @@ def test_dead_peer_times_out_with_a_clear_error(algorithm):
     message, _ = run_workers(_worker_timeout, 2, algorithm, env={"BAGUA_COMM_TIMEOUT_S": "3"}, timeout=60)
     assert "rank 0" in message and "bucket '0'" in message, message
     assert "BAGUA_COMM_TIMEOUT_S" in message or "timed out" in message.lower() or "Timed out" in message, message
+
+
+def test_misspelt_algorithm_keyword_lists_the_accepted_ones_and_suggests_the_nearest():
+    from bagua.torch_api.algorithms import Algorithm
+
+    with pytest.raises(TypeError, match=r"'bytegrad' \(ByteGradAlgorithm\) has no keyword 'hierachical'\. "
+                                        r"Did you mean 'hierarchical'\? Accepted keywords: hierarchical, average"):
+        Algorithm.init("bytegrad", hierachical=True)
+    with pytest.raises(TypeError, match=r"no keyword 'zzz'\. Accepted keywords: .*peer_selection_mode"):
+        Algorithm.init("decentralized", zzz=1)
+    assert Algorithm.init("bytegrad", hierarchical=False).hierarchical is False

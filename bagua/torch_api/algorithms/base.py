@@ -80,11 +80,32 @@ class Algorithm:
     def init(cls, name: str, **kwargs: Any) -> "Algorithm":
         """Create the algorithm registered under ``name`` with ``kwargs``.
 
+        Args:
+            name: a registered algorithm name (a typo gets the nearest name suggested).
+            kwargs: the algorithm's hyper-parameters; an unknown keyword raises ``TypeError`` listing the
+                accepted ones and the nearest.
+
+        Returns:
+            The algorithm (hyper-parameters only; ``with_bagua`` binds it to a process group).
+
         Example:
             >>> Algorithm.init("bytegrad")  # doctest: +SKIP
         """
+        import inspect
+
         _load_builtin_algorithms()
-        return GlobalAlgorithmRegistry.get(name)(**kwargs)
+        algorithm_cls = GlobalAlgorithmRegistry.get(name)
+        params = inspect.signature(algorithm_cls).parameters.values()
+        accepted = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        unknown = [key for key in kwargs if key not in accepted]
+        if unknown and not any(p.kind == p.VAR_KEYWORD for p in params):
+            close = difflib.get_close_matches(unknown[0], accepted, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise TypeError(
+                f"algorithm {name!r} ({algorithm_cls.__name__}) has no keyword {unknown[0]!r}.{hint} "
+                f"Accepted keywords: {', '.join(accepted) or '(none)'}"
+            )
+        return algorithm_cls(**kwargs)
 
 
 def _load_builtin_algorithms() -> None:

@@ -52,7 +52,7 @@ from bagua.torch_api.contrib.utils.store import Store, StoreError, StoreFullErro
 
 try:
     import lmdb
-except ImportError:  # pragma: no cover - exercised only without the extra
+except ImportError:  # a broken install: lmdb is one of bagua's dependencies
     lmdb = None
 
 __all__ = ["LmdbStore", "DEFAULT_MAP_SIZE", "lmdb_file_damage"]
@@ -201,7 +201,8 @@ class LmdbStore(Store):
 
     def __init__(self, path: str, map_size: int = DEFAULT_MAP_SIZE, max_readers: int = 512) -> None:
         if lmdb is None:
-            raise ImportError("the default cache backend needs the 'lmdb' package: pip install lmdb")
+            raise ImportError("the default cache backend needs the 'lmdb' package, a dependency of bagua that is "
+                              "missing here: pip install lmdb (or reinstall bagua), or use backend='redis'")
         if map_size <= 0:
             raise ValueError(f"map_size={map_size} must be a positive number of bytes, e.g. {DEFAULT_MAP_SIZE}")
         if max_readers <= 0:
