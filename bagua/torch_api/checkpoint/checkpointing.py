@@ -24,6 +24,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from bagua.torch_api.checkpoint.experts import load_experts, save_experts
+
 __all__ = ["save_checkpoint", "load_checkpoint", "get_checkpoint_name", "TRACKER_FILENAME"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -86,6 +88,8 @@ def save_checkpoint(
         optimizer: optional optimizer whose ``state_dict`` is saved.
         lr_scheduler: optional LR scheduler whose ``state_dict`` is saved.
     """
+    if save_experts(iteration, checkpoints_path, model, optimizer):  # MoE: every rank writes its experts first
+        _barrier()
     if _is_writer():
         state = {
             "iteration": iteration,
@@ -130,5 +134,6 @@ def load_checkpoint(
         optimizer.load_state_dict(state["optimizer"])
     if lr_scheduler is not None and state.get("lr_scheduler") is not None:
         lr_scheduler.load_state_dict(state["lr_scheduler"])
+    load_experts(iteration, checkpoints_path, model, optimizer, release)  # MoE: this rank's experts, optimizer
     _barrier()
     return int(state.get("iteration", iteration))
