@@ -552,6 +552,8 @@ def _rank_not_in_group(group: Union[BaguaProcessGroup, BaguaCommunicator, dist.P
         return False
     if isinstance(group, (BaguaProcessGroup, BaguaCommunicator)):
         return not group.is_member()
+    if group is dist.GroupMember.NON_GROUP_MEMBER:  # what torch's new_group returns to ranks outside it
+        return True
     return _resolve(group).group is None
 
 

@@ -98,11 +98,13 @@ def _worker_coalesced(rank, world_size):
     C.broadcast_coalesced([x, y], src=1)
     assert x.tolist() == [1.0, 1.0] and y.tolist() == [11.0] * 3
     only_zero = C.new_group([0])
-    return C._rank_not_in_group(only_zero), C._rank_not_in_group(None), C._rank_not_in_group(C._get_default_group())
+    torch_only_zero = torch.distributed.new_group([0])
+    return (C._rank_not_in_group(only_zero), C._rank_not_in_group(torch_only_zero), C._rank_not_in_group(None),
+            C._rank_not_in_group(C._get_default_group()))
 
 
 def test_coalesced_collectives_and_rank_not_in_group():
-    assert run_workers(_worker_coalesced, 2, timeout=60) == [(False, False, False), (True, False, False)]
+    assert run_workers(_worker_coalesced, 2, timeout=60) == [(False, False, False, False), (True, True, False, False)]
 
 
 def _worker_communicator(rank, world_size):
