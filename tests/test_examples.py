@@ -19,7 +19,7 @@ def _launch(script: str, *args: str, cwd: str, timeout: float = 90) -> str:
         [sys.executable, "-m", "bagua.distributed.launch", "--nproc_per_node=2", os.path.join(EXAMPLES, script),
          *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
     )
-    assert proc.returncode == 0, f"{script} exited with {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, f"{script} exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
 

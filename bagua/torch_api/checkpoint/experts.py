@@ -46,12 +46,14 @@ def _directory(checkpoints_path: str, iteration: int, release: bool) -> str:
 
 def expert_checkpoint_name(checkpoints_path: str, iteration: int, expert_id: int, release: bool = False) -> str:
     """Path of the file of global expert ``expert_id``."""
-    return os.path.join(_directory(checkpoints_path, iteration, release), f"expert_{expert_id}_mp_rank_00_model_states.pt")
+    name = f"expert_{expert_id}_mp_rank_00_model_states.pt"
+    return os.path.join(_directory(checkpoints_path, iteration, release), name)
 
 
 def optimizer_checkpoint_name(checkpoints_path: str, iteration: int, rank: int, release: bool = False) -> str:
     """Path of rank ``rank``'s optimizer-state file."""
-    return os.path.join(_directory(checkpoints_path, iteration, release), f"expp_rank_{rank}_mp_rank_00_optim_states.pt")
+    name = f"expp_rank_{rank}_mp_rank_00_optim_states.pt"
+    return os.path.join(_directory(checkpoints_path, iteration, release), name)
 
 
 def split_expert_state(

@@ -65,7 +65,7 @@ class SyncBatchNorm(_BatchNorm):
 
     def _check_input_dim(self, input: torch.Tensor) -> None:
         if input.dim() < 2:
-            raise ValueError(f"SyncBatchNorm expects input of shape (N, C, *), got {input.dim()}-D {tuple(input.shape)}")
+            raise ValueError(f"SyncBatchNorm expects input of shape (N, C, *), got shape {tuple(input.shape)}")
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
