@@ -9,7 +9,6 @@ The expert parameters are marked ``expert = True``, so gradient allreduce averag
 import argparse
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from sklearn.datasets import load_digits
 
@@ -89,6 +88,3 @@ with torch.no_grad():
 accuracy = (logits.argmax(1) == y_test[:n]).float().mean().item()
 if rank == 0:
     print(f"moe: {net.moe.num_experts} experts on {world} ranks, top-{args.top_k}, test accuracy {accuracy * 100:.1f}%")
-
-# Leave cleanly: without it, gloo threads still running at interpreter exit can abort the process (SIGABRT).
-dist.destroy_process_group()
