@@ -77,6 +77,116 @@ class BaguaCommunicator:
     def __repr__(self) -> str:
         return f"BaguaCommunicator(ranks={self.ranks}, member={self.is_member()})"
 
+    # The original's communicator methods. Ranks (``peer``, ``root``) are ranks of this communicator and ``op`` a
+    # ``ReduceOp`` value; a non-member, a one-rank communicator and an aborted one return at once.
+
+    def send(self, tensor, peer: int) -> None:
+        """Send ``tensor`` to rank ``peer`` of the communicator."""
+        if self._runs():
+            dist.send(_plain(tensor), self.global_rank(peer), group=self.group)  # gloo's p2p work only ends in wait()
+
+    def recv(self, tensor, peer: int) -> None:
+        """Receive into ``tensor`` from rank ``peer`` of the communicator."""
+        if self._runs():
+            dist.recv(_plain(tensor), self.global_rank(peer), group=self.group)
+
+    def broadcast(self, tensor, root: int) -> None:
+        """Broadcast ``tensor`` from rank ``root``, in place."""
+        if self._runs():
+            self._wait(dist.broadcast(_plain(tensor), self.global_rank(root), group=self.group, async_op=True))
+
+    def reduce_inplace(self, tensor, root: int, op: int = 0) -> None:
+        """Reduce ``tensor`` of every rank into ``tensor`` on rank ``root``."""
+        if self._runs():
+            t = _plain(tensor)
+            self._wait(dist.reduce(t, self.global_rank(root), op=_torch_op(op), group=self.group, async_op=True))
+            if self.rank() == root:
+                _finish(t, op, self.nranks())
+
+    def reduce(self, send_tensor, recv_tensor, root: int, op: int = 0) -> None:
+        """Reduce ``send_tensor`` of every rank into ``recv_tensor`` on rank ``root``."""
+        _plain(recv_tensor).copy_(_plain(send_tensor))
+        self.reduce_inplace(recv_tensor, root, op)
+
+    def allreduce_inplace(self, tensor, op: int = 0) -> None:
+        """Reduce ``tensor`` over all ranks, in place; ``ReduceOp.AVG`` (10) averages.
+
+        Example:
+            >>> comm.allreduce_inplace(t, 10)  # doctest: +SKIP
+        """
+        if self._runs():
+            t = _plain(tensor)
+            self._wait(dist.all_reduce(t, op=_torch_op(op), group=self.group, async_op=True))
+            _finish(t, op, self.nranks())
+
+    def allreduce(self, send_tensor, recv_tensor, op: int = 0) -> None:
+        """Reduce ``send_tensor`` over all ranks into ``recv_tensor``."""
+        _plain(recv_tensor).copy_(_plain(send_tensor))
+        self.allreduce_inplace(recv_tensor, op)
+
+    def allgather(self, send_tensor, recv_tensor) -> None:
+        """Gather ``send_tensor`` of every rank into ``recv_tensor`` (``nranks`` times as many elements)."""
+        if self._runs():
+            out, src = _plain(recv_tensor), _plain(send_tensor)
+            chunks = list(out.reshape(-1).chunk(self.nranks()))
+            self._wait(dist.all_gather(chunks, src.reshape(-1), group=self.group, async_op=True))
+
+    def allgather_inplace(self, tensor) -> None:
+        """All-gather where rank ``r``'s contribution is the ``r``-th chunk of ``tensor``."""
+        t = _plain(tensor)
+        mine = t.reshape(-1).chunk(self.nranks())[max(self.rank(), 0)].clone()
+        self.allgather(mine, t)
+
+    def alltoall(self, send_tensor, recv_tensor) -> None:
+        """Send the ``r``-th equal chunk of ``send_tensor`` to rank ``r``; receive into ``recv_tensor``."""
+        if self._runs():
+            out, src = _plain(recv_tensor).reshape(-1), _plain(send_tensor).reshape(-1)
+            self._wait(dist.all_to_all_single(out, src, group=self.group, async_op=True))
+
+    def alltoall_inplace(self, tensor) -> None:
+        """All-to-all from and into ``tensor``."""
+        t = _plain(tensor)
+        self.alltoall(t.clone(), t)
+
+    def barrier(self) -> None:
+        """Return once every rank of the communicator has called it."""
+        if self._runs():
+            self._wait(dist.barrier(group=self.group, async_op=True))
+
+    def abort(self) -> None:
+        """Abort the communicator, from any thread: a collective waiting on it returns, later ones do nothing.
+
+        Point-to-point calls are not interrupted (gloo completes them only inside a blocking wait).
+        As in the original, the aborted calls return without an error and leave their tensors undefined;
+        :meth:`check_abort` tells whether it happened. The torch group is aborted too where its backend supports
+        it (NCCL), so a kernel stuck on a peer that never comes ends. Use a communicator of its own
+        (:func:`~bagua.torch_api.communication.init_bagua_communicator`) for anything you may abort.
+        """
+        if self.group is None or self.check_abort():
+            return
+        _ABORTED.append(self.group)
+        try:
+            self.group.abort()
+        except (RuntimeError, NotImplementedError, AttributeError):  # gloo: our wait loop alone ends the call
+            pass
+
+    def check_abort(self) -> bool:
+        """Whether :meth:`abort` was called on this communicator (or another one on the same torch group)."""
+        return any(g is self.group for g in _ABORTED)
+
+    def _runs(self) -> bool:
+        return self.group is not None and self.nranks() > 1 and not self.check_abort()
+
+    def _wait(self, work) -> None:
+        """Wait for ``work``, polling so that :meth:`abort` from another thread ends the wait."""
+        if work is None:
+            return
+        while not work.is_completed():
+            if self.check_abort():
+                return
+            time.sleep(_POLL_S)
+        work.wait()
+
 
 class BaguaProcessGroup:
     """A group of ranks that an algorithm communicates over, with intra-/inter-node communicators.
@@ -196,3 +306,36 @@ class BaguaProcessGroup:
 
     def __repr__(self) -> str:
         return f"BaguaProcessGroup(name={self.group_name!r}, ranks={self.ranks})"
+
+
+# Imports of the communicator methods above, kept with the code added for them (the top of the module is the lead's).
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+
+# Torch groups whose communicators were aborted (a communicator has fixed slots, so the mark lives here).
+_ABORTED: list = []
+_POLL_S = 0.0005
+
+
+def _plain(tensor: Any) -> torch.Tensor:
+    """The torch tensor behind what the original's communicator methods accept."""
+    if isinstance(tensor, torch.Tensor):
+        return tensor
+    effective = getattr(tensor, "effective", None)  # a BaguaTensor
+    if callable(effective):
+        return effective()
+    raise TypeError(f"expected a torch.Tensor (or a BaguaTensor), got {type(tensor).__name__}")
+
+
+def _torch_op(op: int) -> dist.ReduceOp:
+    from bagua.torch_api.communication import _reduce_op  # communication imports this module
+
+    return _reduce_op(op)
+
+
+def _finish(tensor: torch.Tensor, op: int, n: int) -> None:
+    from bagua.torch_api.communication import _finish_avg
+
+    _finish_avg(tensor, op, n)

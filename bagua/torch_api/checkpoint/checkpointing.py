@@ -35,6 +35,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from bagua.torch_api.checkpoint.experts import load_experts, save_experts
+
 __all__ = ["save_checkpoint", "load_checkpoint", "get_checkpoint_name", "TRACKER_FILENAME", "STALE_TMP_AGE_S"]
 
 TRACKER_FILENAME = "latest_checkpointed_iteration.txt"
@@ -172,6 +174,8 @@ def save_checkpoint(
     Example:
         >>> save_checkpoint(100, "ckpt", model, optimizer)  # doctest: +SKIP
     """
+    if save_experts(iteration, checkpoints_path, model, optimizer):  # MoE: every rank writes its experts first
+        _barrier()
     if _is_writer():
         _remove_stale_tmp_files_under(checkpoints_path)
         state = {
@@ -313,6 +317,7 @@ def load_checkpoint(
             optimizer.load_state_dict(state["optimizer"])
         if lr_scheduler is not None and state.get("lr_scheduler") is not None:
             lr_scheduler.load_state_dict(state["lr_scheduler"])
+        load_experts(iteration, checkpoints_path, model, optimizer, release)  # MoE: this rank's experts, optimizer
     except Exception as caught:  # noqa: BLE001 - reported to every rank below, then re-raised here
         error = caught
         if not (dist.is_initialized() and dist.get_world_size() > 1):

@@ -1,4 +1,4 @@
-"""Optional pieces around the engine: fused optimizer, load-balanced samplers, cached dataset.
+"""Optional pieces around the engine: fused optimizer, load-balanced samplers, cached dataset, sync batchnorm.
 
 Names are imported lazily so that ``import bagua.torch_api`` never needs the optional extras (``lmdb``,
 ``redis``) installed.
@@ -16,6 +16,8 @@ __all__ = [
     "LoadBalancingDistributedBatchSampler",
     "CacheLoader",
     "CachedDataset",
+    "SyncBatchNorm",
+    "convert_sync_batchnorm",
 ]
 
 _LAZY = {
@@ -25,6 +27,8 @@ _LAZY = {
     "LoadBalancingDistributedBatchSampler": "bagua.torch_api.contrib.load_balancing_data_loader",
     "CacheLoader": "bagua.torch_api.contrib.cache_loader",
     "CachedDataset": "bagua.torch_api.contrib.cached_dataset",
+    "SyncBatchNorm": "bagua.torch_api.contrib.sync_batchnorm",
+    "convert_sync_batchnorm": "bagua.torch_api.contrib.sync_batchnorm",
 }
 
 

@@ -363,3 +363,98 @@ def _all_gather_strings(text: str) -> list[str]:
         if value:
             out.append(value)
     return out
+
+
+# ----------------------------------------------------------------------------- the original's helper names
+
+__all__ += ["start_redis_server_cli", "find_free_port"]
+
+# Settings start_redis_server_cli decides itself; extra arguments may not change them.
+_CLI_FIXED = ("bind", "port", "requirepass", "protected-mode", "daemonize", "unixsocket", "include", "rename-command")
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """Return a TCP port that was free on ``host`` (default loopback) a moment ago.
+
+    Example:
+        >>> 0 < find_free_port() < 65536
+        True
+    """
+    return env.find_free_network_port(host)
+
+
+def start_redis_server_cli(
+    port: int, capacity: int, *args: str, bind: str = "127.0.0.1", password: Optional[str] = None,
+    startup_timeout: float = 15.0,
+) -> dict[str, Any]:
+    """Start a detached ``redis-server`` on ``bind:port`` that outlives the caller; return how to reach it.
+
+    As the original's function of that name, the server is not this process's: it keeps running after the caller
+    exits, until someone sends it ``SHUTDOWN``. Unlike the original, it listens on ``bind`` only (loopback by
+    default), requires a password (a fresh random one unless ``password`` is given), keeps protected mode on, and
+    gets its configuration on stdin, so the password never appears on a command line.
+
+    Args:
+        port: listening port (see :func:`find_free_port`).
+        capacity: ``maxmemory`` in bytes; keys are evicted at random beyond it (``allkeys-random``).
+        *args: more configuration directives, as ``"--name value"`` or ``"name value"`` (for example
+            ``"--maxmemory-policy noeviction"``); those that would change the address, port, password, protected
+            mode or daemonizing are refused.
+        bind: listening address.
+        password: the password to require; ``None`` draws a random one.
+        startup_timeout: seconds to wait for the server to answer PING.
+
+    Returns:
+        ``{"host": bind, "port": port, "password": password}``, what :class:`RedisStore` takes in ``hosts``.
+
+    Example:
+        >>> info = start_redis_server_cli(find_free_port(), 1 << 26)  # doctest: +SKIP
+        >>> redis.Redis(**info).shutdown(nosave=True)  # doctest: +SKIP
+    """
+    _require_redis()
+    executable = shutil.which("redis-server")
+    if executable is None:
+        raise RuntimeError("redis-server is not on PATH; install it (apt-get install redis-server)")
+    extra = []
+    for arg in args:
+        line = str(arg).strip()
+        line = line[2:] if line.startswith("--") else line
+        name = line.split(None, 1)[0].lower() if line else ""
+        if not name or "\n" in line:
+            raise ValueError(f"bad redis-server directive {arg!r}; pass each as '--name value'")
+        if name in _CLI_FIXED:
+            raise ValueError(f"start_redis_server_cli sets {name!r} itself; use its bind=/password= arguments")
+        extra.append(line)
+    password = password or secrets.token_hex(16)
+    config = "\n".join([
+        f"bind {bind}", f"port {int(port)}", f"requirepass {password}", "protected-mode yes", 'save ""',
+        "appendonly no", f"maxmemory {int(capacity)}", "maxmemory-policy allkeys-random", "daemonize no",
+        "loglevel warning", 'logfile ""', *extra,
+    ]) + "\n"
+    # A new session and no pdeathsig: the server is meant to outlive this process, as a daemonized one would.
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen([executable, "-"], stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                               close_fds=True, start_new_session=True)
+    process.stdin.write(config.encode())
+    process.stdin.close()
+    client = redis.Redis(host=bind, port=int(port), password=password, socket_connect_timeout=1.0)
+    try:
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                error = log.read().decode(errors="replace")[-2000:]
+                raise RuntimeError(f"redis-server exited with code {process.returncode}: {error}")
+            try:
+                client.ping()
+                break
+            except redis.exceptions.RedisError:
+                if time.monotonic() > deadline:
+                    process.kill()
+                    process.wait()
+                    raise RuntimeError(f"redis-server did not answer on {bind}:{port} within {startup_timeout} s")
+                time.sleep(0.05)
+    finally:
+        client.close()
+        log.close()
+    return {"host": bind, "port": int(port), "password": password}
