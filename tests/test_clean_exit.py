@@ -17,19 +17,21 @@ import pytest
 SCRIPT = os.path.join(os.path.dirname(__file__), "scripts", "exit_after.py")
 
 
-def _launch(nproc, algorithm, port):
+def _launch(nproc, algorithm, port, marker_dir):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
     return subprocess.run(
         [sys.executable, "-m", "bagua.distributed.launch", f"--nproc_per_node={nproc}", f"--master_port={port}",
-         SCRIPT, algorithm],
+         SCRIPT, algorithm, marker_dir],
         env=env, capture_output=True, text=True, timeout=180,
     )
 
 
 @pytest.mark.parametrize("nproc,algorithm", [(4, "none"), (2, "decentralized"), (2, "async"), (2, "bytegrad")])
-def test_clean_exit_after_training(nproc, algorithm):
+def test_clean_exit_after_training(nproc, algorithm, tmp_path):
     for attempt in range(2):
-        proc = _launch(nproc, algorithm, 29710 + 10 * attempt + nproc)
+        markers = tmp_path / str(attempt)
+        markers.mkdir()
+        proc = _launch(nproc, algorithm, 29710 + 10 * attempt + nproc, str(markers))
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0 and "terminate called" not in out, out[-3000:]
-        assert all(f"done {r}" in proc.stdout for r in range(nproc)), proc.stdout  # every rank got to the end
+        assert sorted(os.listdir(markers)) == [f"done-{r}" for r in range(nproc)], out[-3000:]  # every rank ended

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api import env
+from bagua.torch_api import process_group as _process_group
 from bagua.torch_api.process_group import BaguaProcessGroup, new_torch_group
 
 __all__ = [
@@ -199,6 +200,7 @@ def _reset() -> None:
     """Forget the default group (used when torch.distributed is destroyed and re-created, e.g. in tests)."""
     global _default_pg, _world_layout, _group_count
     _default_pg, _world_layout, _group_count = None, None, 0
+    _process_group._ABORTED.clear()  # torch groups of aborted communicators: gone with torch.distributed
 
 
 def new_group(ranks: Optional[list[int]] = None, stream: Optional[Any] = None) -> BaguaProcessGroup:

@@ -15,7 +15,8 @@ the engine sends can never interleave with the user's collectives or another eng
 from __future__ import annotations
 
 import datetime
-from typing import Optional
+import time
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -307,12 +308,6 @@ class BaguaProcessGroup:
     def __repr__(self) -> str:
         return f"BaguaProcessGroup(name={self.group_name!r}, ranks={self.ranks})"
 
-
-# Imports of the communicator methods above, kept with the code added for them (the top of the module is the lead's).
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import torch  # noqa: E402
 
 # Torch groups whose communicators were aborted (a communicator has fixed slots, so the mark lives here).
 _ABORTED: list = []

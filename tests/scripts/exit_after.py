@@ -1,8 +1,9 @@
 """Run by tests/test_clean_exit.py under the launcher: init only, or a few steps of an algorithm, then a plain exit.
 
-Usage: exit_after.py ALGORITHM|none
+Usage: exit_after.py ALGORITHM|none MARKER_DIR (each rank writes MARKER_DIR/done-RANK as its last act)
 """
 
+import os
 import sys
 
 import torch
@@ -22,4 +23,6 @@ if name != "none":
         opt.zero_grad()
         model(torch.randn(8, 32)).square().mean().backward()
         opt.step()
-print("done", bagua.get_rank(), flush=True)
+with open(os.path.join(sys.argv[2], f"done-{bagua.get_rank()}"), "w") as f:
+    f.write("done")
+
