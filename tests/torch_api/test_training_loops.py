@@ -172,8 +172,13 @@ def test_two_models_in_one_backward_match_one_module(name):
         for got, want in zip(apart[rank], together[rank]):
             if exact:
                 assert torch.equal(got, want)
-            else:  # 8-bit rounding of other chunks; Adam divides by sqrt(v), so QAdam's steps amplify it
-                assert_close(got, want, rtol=0, atol=1e-3 if name == "bytegrad" else 1e-2)
+            elif name == "bytegrad":  # 8-bit rounding of differently laid out chunks, then SGD steps of lr=0.05
+                assert_close(got, want, rtol=0, atol=1e-3)
+            else:  # QAdam: Adam moves a weight by about lr=0.01 per step whatever the gradient's size, so a
+                # rounding that flips a tiny momentum's sign can move one weight by up to 2*lr in each of the 3
+                # compressed steps (seen: 0.0107 on one of 240 weights); the typical weight must agree far closer
+                assert_close(got, want, rtol=0, atol=2 * 0.01 * 3)
+                assert (got - want).abs().median() <= 1e-3
 
 
 # -- the user's own collectives between forward and backward -------------------------------------------------------
