@@ -203,6 +203,16 @@ def _reset() -> None:
     _process_group._ABORTED.clear()  # torch groups of aborted communicators: gone with torch.distributed
 
 
+def _torch_group_of(process_group: Any = None) -> Optional[dist.ProcessGroup]:
+    """The torch group behind ``process_group`` (a :class:`BaguaProcessGroup`, a torch group, or ``None`` for the
+    default group); ``None`` when ``torch.distributed`` is not initialized or this rank is outside the group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    if process_group is None:
+        process_group = _get_default_group() if is_initialized() else dist.group.WORLD
+    return getattr(process_group, "group", process_group)  # a BaguaProcessGroup holds its torch group
+
+
 def new_group(ranks: Optional[list[int]] = None, stream: Optional[Any] = None) -> BaguaProcessGroup:
     """Create a :class:`BaguaProcessGroup` over ``ranks`` (all ranks when ``None``).
 

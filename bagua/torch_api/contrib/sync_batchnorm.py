@@ -28,6 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from bagua.torch_api.lifecycle import _torch_group_of
+
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
 
@@ -125,13 +127,7 @@ class SyncBatchNorm(_BatchNorm):
 
 def _resolve_group(process_group: Any) -> Optional[dist.ProcessGroup]:
     """The torch group to synchronize over, or ``None`` when there is nothing to synchronize with."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    if process_group is None:
-        from bagua.torch_api import communication
-
-        process_group = communication._get_default_group() if communication.is_initialized() else dist.group.WORLD
-    group = getattr(process_group, "group", process_group)  # a BaguaProcessGroup holds its torch group
+    group = _torch_group_of(process_group)
     if group is None or dist.get_world_size(group) < 2:
         return None
     return group

@@ -28,6 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from bagua.torch_api.lifecycle import _torch_group_of
 from bagua.torch_api.model_parallel.moe.gating import NOISY_GATE_POLICIES, TopKGate
 
 __all__ = ["MoE", "MOELayer", "Experts"]
@@ -182,11 +183,7 @@ class MoE(torch.nn.Module):
 def _resolve_group(process_group: Any) -> Optional[dist.ProcessGroup]:
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    if process_group is None:
-        from bagua.torch_api import communication
-
-        process_group = communication._get_default_group() if communication.is_initialized() else dist.group.WORLD
-    group = getattr(process_group, "group", process_group)  # a BaguaProcessGroup holds its torch group
+    group = _torch_group_of(process_group)
     if group is None:
         raise ValueError("this rank is not a member of the MoE's process_group; every rank of it must build the layer")
     return group
