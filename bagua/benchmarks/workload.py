@@ -85,21 +85,55 @@ def _mlp(widths: Sequence[int]) -> torch.nn.Module:
 
 @dataclass
 class ModelSpec:
-    """A benchmark model: how to build it, its loss, and whether it trains on real data (digits)."""
+    """A benchmark model: how to build it, its input, and its data (``synthetic``: fixed random batches, MSE,
+    SGD; ``digits``: scikit-learn's digits, cross-entropy, Adam, test accuracy; ``text``: the standard library's
+    sources as bytes, next-byte cross-entropy, Adam, validation loss)."""
 
     build: Callable[[], torch.nn.Module]
     in_shape: tuple[int, ...]
     out_dim: int
     classify: bool
     description: str
+    data: str = "synthetic"
+    batch_size: int = 32
+
+    @property
+    def optimizer(self) -> str:
+        return "sgd" if self.data == "synthetic" else "adam"
+
+    @property
+    def lr(self) -> float:
+        return {"synthetic": 0.01, "digits": 0.002, "text": 0.001}[self.data]
+
+
+def _gpt(tiny: bool) -> torch.nn.Module:
+    from bagua.benchmarks.gpt import GPT, GPTConfig
+
+    return GPT(GPTConfig.tiny() if tiny else GPTConfig())
+
+
+def _resnet(tiny: bool) -> torch.nn.Module:
+    from bagua.benchmarks.resnet import ResNet
+
+    return ResNet((8, 16), blocks=1) if tiny else ResNet()
 
 
 MODELS: dict[str, ModelSpec] = {
     "mlp": ModelSpec(lambda: _mlp([1024, 4096, 4096, 1024]), (1024,), 1024, False,
                      "comm-heavy MLP 1024-4096-4096-1024 (25.2 M params, 100.7 MB fp32), synthetic data, MSE, SGD"),
     "digits": ModelSpec(DigitsCNN, (1, 8, 8), 10, True,
-                        "small CNN on sklearn digits (0.28 M params), cross-entropy, Adam; reports test accuracy"),
+                        "small CNN on sklearn digits (0.28 M params), cross-entropy, Adam; reports test accuracy",
+                        data="digits"),
+    "resnet": ModelSpec(lambda: _resnet(False), (1, 8, 8), 10, True,
+                        "ResNet with BatchNorm on sklearn digits (0.17 M params), cross-entropy, Adam; "
+                        "reports test accuracy", data="digits"),
+    "gpt": ModelSpec(lambda: _gpt(False), (128,), 256, False,
+                     "GPT byte-level LM, 6 layers x 384, tied embeddings (10.8 M params), Python stdlib text, "
+                     "Adam, batch 8 x 128 tokens; reports validation loss", data="text", batch_size=8),
     "tiny": ModelSpec(lambda: _mlp([32, 64, 32]), (32,), 32, False, "tiny MLP for tests (4.2 K params)"),
+    "resnet_tiny": ModelSpec(lambda: _resnet(True), (1, 8, 8), 10, True, "tiny ResNet for tests", data="digits"),
+    "gpt_tiny": ModelSpec(lambda: _gpt(True), (16,), 256, False, "tiny GPT for tests (34 K params)",
+                          data="text", batch_size=4),
 }
 
 
@@ -112,34 +146,46 @@ def build_model(name: str, seed: int = 0) -> torch.nn.Module:
 
 
 def _digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    from bagua.benchmarks.resnet import digits_split
 
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
-    return x_tr, y_tr, x_te, y_te
+    return digits_split(seed)
+
+
+def _text(model: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The (train, validation) byte streams of a text model (smaller caps for the tiny one)."""
+    from bagua.benchmarks.gpt import load_text
+
+    return load_text(1 << 20, 256 << 10) if model.endswith("_tiny") else load_text()
+
+
+def digits_epoch_batches(x_tr: torch.Tensor, y_tr: torch.Tensor, batch_size: int, rank: int, world: int,
+                         seed: int, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One epoch of this rank's digits batches (``DistributedSampler``, shuffled by epoch, last batch dropped)."""
+    sampler = torch.utils.data.DistributedSampler(range(len(x_tr)), num_replicas=world, rank=rank, shuffle=True,
+                                                  seed=seed, drop_last=True)
+    sampler.set_epoch(epoch)
+    idx = torch.tensor(list(sampler))
+    return [(x_tr[idx[s:s + batch_size]], y_tr[idx[s:s + batch_size]])
+            for s in range(0, len(idx) - batch_size + 1, batch_size)]
 
 
 def _batches(args: argparse.Namespace, rank: int, world: int) -> tuple[list, Optional[tuple]]:
     """The training batches of this rank, in order (all epochs), and the test set for classifiers."""
     spec = MODELS[args.model]
-    if not spec.classify:
+    if spec.data == "synthetic":
         g = torch.Generator().manual_seed(1000 + rank)
         pool = [(torch.randn(args.batch_size, *spec.in_shape, generator=g),
                  torch.randn(args.batch_size, spec.out_dim, generator=g)) for _ in range(4)]
         return [pool[i % len(pool)] for i in range(args.warmup + args.steps)], None
+    if spec.data == "text":
+        from bagua.benchmarks.gpt import TextBatches
+
+        stream = TextBatches(_text(args.model)[0], args.batch_size, spec.in_shape[0], args.seed, rank)
+        return [stream.batch(i) for i in range(args.warmup + args.steps)], None
     x_tr, y_tr, x_te, y_te = _digits_split(args.seed)
-    sampler = torch.utils.data.DistributedSampler(range(len(x_tr)), num_replicas=world, rank=rank, shuffle=True,
-                                                  seed=args.seed, drop_last=True)
     batches = []
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        idx = torch.tensor(list(sampler))
-        for start in range(0, len(idx) - args.batch_size + 1, args.batch_size):
-            sel = idx[start:start + args.batch_size]
-            batches.append((x_tr[sel], y_tr[sel]))
+        batches += digits_epoch_batches(x_tr, y_tr, args.batch_size, rank, world, args.seed, epoch)
     return batches, (x_te, y_te)
 
 
@@ -379,8 +425,12 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
 # -- measurements --------------------------------------------------------------------------------------------
 
 
-def _loss_fn(classify: bool) -> Callable:
-    return torch.nn.functional.cross_entropy if classify else torch.nn.functional.mse_loss
+def _loss_fn(spec: ModelSpec) -> Callable:
+    if spec.data == "text":
+        from bagua.benchmarks.gpt import lm_loss
+
+        return lm_loss
+    return torch.nn.functional.cross_entropy if spec.classify else torch.nn.functional.mse_loss
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, x, y) -> float:
@@ -458,16 +508,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--steps", type=int, default=5, help="timed steps (synthetic models)")
     p.add_argument("--epochs", type=int, default=6, help="epochs (digits); every step after --warmup is timed")
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--lr", type=float, default=None, help="default: 0.01 (SGD) or 0.002 (Adam, digits)")
+    p.add_argument("--batch-size", type=int, default=None, help="per-rank batch size (default: the model's, "
+                                                                  "32; gpt: 8 sequences)")
+    p.add_argument("--lr", type=float, default=None, help="default: 0.01 (SGD), 0.002 (Adam, digits), "
+                                                          "0.001 (Adam, gpt)")
+    p.add_argument("--target", type=float, default=None, help="train to this validation metric instead of timing "
+                                                              "steps (bagua.benchmarks.to_target)")
+    p.add_argument("--eval-every", type=int, default=None, help="with --target: steps between evaluations "
+                                                                 "(default: the model's, to_target.DEFAULTS)")
+    p.add_argument("--eval-samples", type=int, default=None, help="with --target: validation windows (gpt) or "
+                                                                   "test images (0: all 360) evaluated")
+    p.add_argument("--max-steps", type=int, default=None, help="with --target: give up after this many steps")
+    p.add_argument("--qadam-warmup", type=int, default=None, help="with --target: QAdam's warmup steps")
     p.add_argument("--compute-steps", type=int, default=3, help="replica steps for the compute phase (0: skip)")
     p.add_argument("--iface", default="lo", help="interface whose tx bytes are counted")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="results go to OUT.rank<r>.json")
     args = p.parse_args(argv)
-    for key in ("warmup", "steps", "epochs", "batch_size", "threads"):
-        if getattr(args, key) < (0 if key == "warmup" else 1):
+    if args.batch_size is None:
+        args.batch_size = MODELS[args.model].batch_size
+    for key in ("warmup", "steps", "epochs", "batch_size", "threads", "eval_every", "max_steps"):
+        if getattr(args, key) is not None and getattr(args, key) < (0 if key == "warmup" else 1):
             raise ValueError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     return args
 
@@ -481,10 +543,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     bagua.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.target is not None:
+        from bagua.benchmarks import to_target
+
+        return _write(args, to_target.train(args, rank, world))
     spec = MODELS[args.model]
-    optimizer_kind = "adam" if spec.classify else "sgd"
-    lr = args.lr if args.lr is not None else (0.002 if spec.classify else 0.01)
-    qadam_warmup = qadam_warmup_steps(len(_batches(args, rank, world)[0]) if spec.classify else None, args.steps)
+    optimizer_kind = spec.optimizer
+    lr = args.lr if args.lr is not None else spec.lr
+    qadam_warmup = qadam_warmup_steps(len(_batches(args, rank, world)[0]) if spec.data == "digits" else None,
+                                      args.steps)
     args.warmup = untimed_steps(split_system(args.system)[0], args.warmup, qadam_warmup)
     batches, test = _batches(args, rank, world)
     if len(batches) <= args.warmup:
@@ -493,7 +560,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     replica = copy.deepcopy(model) if args.compute_steps else None
     numel = sum(p.numel() for p in model.parameters())
     system = make_system(args.system, model, optimizer_kind, lr, qadam_warmup)
-    loss_fn = _loss_fn(spec.classify)
+    loss_fn = _loss_fn(spec)
 
     times, losses, tx_start, comm_busy = [], [], 0, 0.0
     train_start = time.perf_counter()
@@ -528,7 +595,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "accuracy": accuracy, "final_loss": statistics.mean(losses[-5:]), "train_time_s": train_time,
         "notes": system.notes,
     }
-    with open(f"{args.out}.rank{rank}.json", "w") as f:
+    return _write(args, result)
+
+
+def _write(args: argparse.Namespace, result: dict) -> dict:
+    """Write this rank's result, wait for every rank, leave the process group; return the result."""
+    with open(f"{args.out}.rank{result['rank']}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()
