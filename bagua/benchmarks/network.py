@@ -11,6 +11,9 @@ It needs root and iproute2; without them it says so and falls back to loopback p
 Namespaces are deleted on exit, on Ctrl-C, on SIGTERM and on error. Latency cannot be emulated: this kernel has
 no netem.
 
+With ``--to-target`` each system instead trains to a validation target, and the suite reports time and steps to
+the target (:mod:`bagua.benchmarks.to_target`).
+
 Example::
 
     sudo python -m bagua.benchmarks.network --hosts 2 --bandwidths unshaped,1gbit,100mbit \\
@@ -279,7 +282,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--systems", default="all", help="'all' or a comma list (ddp, ddp_fp16, ddp_powersgd, "
                                                      "Bagua algorithm names, with arguments as "
                                                      "name:key=value, e.g. decentralized:peer_selection_mode=shift_one)")
-    p.add_argument("--models", default="mlp,digits", help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--models", default="mlp,digits", help=f"comma list of {', '.join(MODELS)} (gpt: byte-level "
+                                                           "GPT on stdlib text; resnet: BatchNorm ResNet on digits)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (synthetic models)")
     p.add_argument("--steps-at", action="append", default=[], metavar="RATE=WARMUP:STEPS",

@@ -69,7 +69,7 @@ def reached(metric: float, target: float, higher_is_better: bool) -> bool:
 
 
 def _digits_stream(args: argparse.Namespace, rank: int, world: int) -> tuple[Callable, tuple]:
-    from bagua.benchmarks.workload import _digits_split, digits_epoch_batches
+    from bagua.benchmarks.models import _digits_split, digits_epoch_batches
 
     x_tr, y_tr, x_te, y_te = _digits_split(args.seed)
     cache: dict[int, list] = {}
@@ -88,7 +88,7 @@ def _digits_stream(args: argparse.Namespace, rank: int, world: int) -> tuple[Cal
 
 def _text_stream(args: argparse.Namespace, rank: int, block_size: int) -> tuple[Callable, tuple]:
     from bagua.benchmarks.gpt import TextBatches, validation_windows
-    from bagua.benchmarks.workload import _text
+    from bagua.benchmarks.models import _text
 
     train_data, val_data = _text(args.model)
     stream = TextBatches(train_data, args.batch_size, block_size, args.seed, rank)
@@ -115,7 +115,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict:
     """Train ``args.model`` with ``args.system`` until the averaged metric reaches ``args.target`` or
     ``args.max_steps`` steps have run; return this rank's result (the workload's keys plus ``to_target``)."""
     from bagua.benchmarks.netns import read_tx_bytes
-    from bagua.benchmarks.workload import MODELS, _codec_seconds, _step, build_model, make_system, split_system
+    from bagua.benchmarks.models import MODELS, build_model
+    from bagua.benchmarks.workload import _codec_seconds, _step, make_system, split_system
 
     spec = MODELS[args.model]
     if args.model not in DEFAULTS:

@@ -14,7 +14,8 @@ import torch
 from bagua.benchmarks import gpt, netns
 from bagua.benchmarks.network import Job, run_job
 from bagua.benchmarks.resnet import ResNet
-from bagua.benchmarks.workload import MODELS, _batches, _loss_fn, available_systems, build_model
+from bagua.benchmarks.models import MODELS, build_model, loss_fn, train_batches
+from bagua.benchmarks.workload import available_systems
 
 #: systems whose update is exactly SGD/Adam on the loss averaged over ranks (others compress or average weights)
 EXACT = ("ddp", "gradient_allreduce")
@@ -93,12 +94,12 @@ def _reference_final_loss(model_name: str, warmup: int, steps: int, world: int, 
     opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
     args = Namespace(model=model_name, batch_size=spec.batch_size, warmup=warmup, steps=steps, epochs=epochs,
                      seed=0)
-    data = [_batches(args, r, world)[0] for r in range(world)]
-    loss_fn = _loss_fn(spec)
+    data = [train_batches(args, r, world)[0] for r in range(world)]
+    criterion = loss_fn(spec)
     losses: list[list[float]] = [[] for _ in range(world)]
     for i in range(len(data[0])):
         opt.zero_grad()
-        per_rank = [loss_fn(model(data[r][i][0]), data[r][i][1]) for r in range(world)]
+        per_rank = [criterion(model(data[r][i][0]), data[r][i][1]) for r in range(world)]
         for r, loss in enumerate(per_rank):
             losses[r].append(loss.item())
         (sum(per_rank) / world).backward()
