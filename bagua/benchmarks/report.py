@@ -292,7 +292,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m bagua.benchmarks.report A.json B.json --out-dir D --name N``: merge runs into one table,
     JSON, CSV and plot (speedups stay relative to the DDP run of the same file and configuration).
 
-    ``python -m bagua.benchmarks.report docs/results/X.json`` (no ``--name``) re-renders ``X.png`` from the
+    ``python -m bagua.benchmarks.report docs/results/X.json`` (no ``--name``) re-renders ``X.png`` (and
+    ``X-to-target.png`` for a ``--to-target`` run) from the
     results already in ``X.json``, and writes nothing else: no benchmark is run again.
     """
     import argparse
@@ -310,6 +311,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 meta = json.load(f)["meta"]
             out = os.path.join(args.out_dir or os.path.dirname(path), os.path.splitext(os.path.basename(path))[0])
             print("wrote " + plot(rows, out + ".png", caption=caption_for(meta)))
+            if any(r.get("status") == "ok" and r.get("curve") for r in rows):
+                print("wrote " + plot_to_target(rows, out + "-to-target.png",
+                                                caption=caption_for(meta, what="metric every --eval-every steps")))
         return 0
     out_dir = args.out_dir or os.path.dirname(args.inputs[0])
     rows, meta = merge(args.inputs)
