@@ -321,6 +321,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if any(h < 2 for h in args.hosts):
         raise ValueError(f"--hosts {args.hosts}: every host count must be at least 2")
     args.steps_at = _parse_steps_at(args.steps_at)
+    given = [flag for flag, value in (("--target", args.target), ("--eval-every", args.eval_every),
+                                      ("--eval-samples", args.eval_samples), ("--max-steps", args.max_steps))
+             if value not in (None, [])]
+    if given and not args.to_target:
+        raise ValueError(f"{', '.join(given)} only apply to time to accuracy: add --to-target")
     args.targets = _parse_targets(args.target, args.models if args.to_target else [])
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")

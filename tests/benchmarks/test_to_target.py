@@ -89,3 +89,16 @@ def test_step_budget_and_summary():
                                          else None, steps_run=120, wall_to_target_s=None, final_metric=2.6)
                                     for r in rows])
     assert "not reached" in table and ">120" in table and "3.00" in table
+
+
+def test_suite_flags_are_checked():
+    from bagua.benchmarks.network import parse_args
+
+    with pytest.raises(ValueError, match="add --to-target"):
+        parse_args(["--models", "gpt", "--target", "gpt=2.5"])
+    with pytest.raises(ValueError, match="validation data"):
+        parse_args(["--to-target", "--models", "mlp"])
+    with pytest.raises(ValueError, match="MODEL=VALUE"):
+        parse_args(["--to-target", "--models", "gpt", "--target", "gpt:2.5"])
+    args = parse_args(["--to-target", "--models", "gpt,resnet", "--target", "gpt=2.4"])
+    assert args.targets == {"gpt": 2.4}
