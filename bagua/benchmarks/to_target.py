@@ -52,7 +52,7 @@ class Defaults:
 
 #: Chosen so that DDP on 2 hosts (one core each) reaches the target in a few minutes; see docs/benchmarks.md.
 DEFAULTS: dict[str, Defaults] = {
-    "gpt": Defaults(target=2.5, eval_every=20, eval_samples=32, max_steps=1500),
+    "gpt": Defaults(target=3.05, eval_every=10, eval_samples=32, max_steps=1500),
     "resnet": Defaults(target=0.98, eval_every=10, eval_samples=0, max_steps=2000),
     "digits": Defaults(target=0.97, eval_every=10, eval_samples=0, max_steps=2000),
     "gpt_tiny": Defaults(target=4.5, eval_every=2, eval_samples=8, max_steps=60),
