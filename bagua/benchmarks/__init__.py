@@ -1,11 +1,14 @@
 """Benchmarks of Bagua over emulated networks (``python -m bagua.benchmarks.network``, ``bagua-bench``).
 
 - :mod:`bagua.benchmarks.netns`: test hosts as network namespaces joined by a bridge, tbf-shaped links, cleanup;
-- :mod:`bagua.benchmarks.workload`: the training job each host runs;
+- :mod:`bagua.benchmarks.workload`: the training job each host runs, and the models it can train;
+- :mod:`bagua.benchmarks.gpt`: a byte-level GPT language model on the standard library's sources;
+- :mod:`bagua.benchmarks.resnet`: a BatchNorm ResNet on scikit-learn's digits;
+- :mod:`bagua.benchmarks.to_target`: time to accuracy (``--to-target``);
 - :mod:`bagua.benchmarks.network`: the suite (hosts x bandwidths x models x systems);
-- :mod:`bagua.benchmarks.report`: table, JSON, CSV and PNG plot.
+- :mod:`bagua.benchmarks.report` and :mod:`bagua.benchmarks.plots`: table, JSON, CSV and PNG plots.
 
 See docs/benchmarks.md for the commands and the latest results.
 """
 
-__all__ = ["netns", "network", "report", "workload"]
+__all__ = ["gpt", "netns", "network", "plots", "report", "resnet", "to_target", "workload"]

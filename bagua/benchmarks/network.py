@@ -11,6 +11,9 @@ It needs root and iproute2; without them it says so and falls back to loopback p
 Namespaces are deleted on exit, on Ctrl-C, on SIGTERM and on error. Latency cannot be emulated: this kernel has
 no netem.
 
+With ``--to-target`` each system instead trains to a validation target, and the suite reports time and steps to
+the target (:mod:`bagua.benchmarks.to_target`).
+
 Example::
 
     sudo python -m bagua.benchmarks.network --hosts 2 --bandwidths unshaped,1gbit,100mbit \\
@@ -20,6 +23,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import os
@@ -29,14 +33,14 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from bagua.benchmarks import netns, report
+from bagua.benchmarks import netns, report, to_target
 from bagua.benchmarks.workload import MODELS, available_systems, split_system
 from bagua.torch_api import env
 
 __all__ = ["Job", "parse_args", "check_optional_imports", "resolve_systems", "run_job", "run_suite", "main"]
 
 #: models that need an optional package: model -> (module, pip name); the ``bench`` extra installs them all.
-_MODEL_IMPORTS = {"digits": ("sklearn", "scikit-learn")}
+_MODEL_IMPORTS = {m: ("sklearn", "scikit-learn") for m in ("digits", "resnet", "resnet_tiny")}
 _STEP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
               "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID")
 
@@ -52,7 +56,23 @@ class Job:
     warmup: int
     steps: int
     epochs: int
-    batch_size: int = 32
+    batch_size: Optional[int] = None  # None: the model's own (workload.MODELS)
+    target: Optional[float] = None  # time-to-accuracy mode (bagua.benchmarks.to_target) when set
+    eval_every: Optional[int] = None
+    eval_samples: Optional[int] = None
+    max_steps: Optional[int] = None
+    qadam_warmup: Optional[int] = None
+
+    def workload_args(self) -> list[str]:
+        """The job's own arguments of ``python -m bagua.benchmarks.workload`` (options left unset are omitted)."""
+        argv = ["--system", self.system, "--model", self.model, "--warmup", str(self.warmup), "--steps",
+                str(self.steps), "--epochs", str(self.epochs)]
+        for flag, value in (("--batch-size", self.batch_size), ("--target", self.target),
+                            ("--eval-every", self.eval_every), ("--eval-samples", self.eval_samples),
+                            ("--max-steps", self.max_steps), ("--qadam-warmup", self.qadam_warmup)):
+            if value is not None:
+                argv += [flag, str(value)]
+        return argv
 
     @property
     def bandwidth(self) -> str:
@@ -120,11 +140,8 @@ def run_job(cluster, job: Job, workdir: str, port: int, timeout_s: float) -> dic
     start = time.monotonic()
     try:
         for host in hosts:
-            argv = host.exec_prefix() + [
-                sys.executable, "-m", "bagua.benchmarks.workload", "--system", job.system, "--model", job.model,
-                "--warmup", str(job.warmup), "--steps", str(job.steps), "--epochs", str(job.epochs),
-                "--batch-size", str(job.batch_size), "--iface", host.iface, "--out", out,
-            ]
+            argv = host.exec_prefix() + [sys.executable, "-m", "bagua.benchmarks.workload", *job.workload_args(),
+                                         "--iface", host.iface, "--out", out]
             log = f"{out}.rank{host.index}.log"
             logs.append(log)
             with open(log, "w") as f:
@@ -152,18 +169,38 @@ def run_job(cluster, job: Job, workdir: str, port: int, timeout_s: float) -> dic
             return row
     row["status"] = "ok"
     row.update(report.summarize_ranks(ranks, job.rate, cluster.emulated))
+    if "to_target" in ranks[0]:
+        row.update(to_target.summarize(ranks))
     return row
 
 
 def _plan(args: argparse.Namespace, systems: list[str], rates: list[Optional[int]]) -> list[Job]:
     jobs = []
+    if args.to_target:  # DDP runs first: its steps to the target set the other systems' budgets
+        systems = sorted(systems, key=lambda s: s != "ddp")
     for hosts in args.hosts:
         for rate in rates:
             warmup, steps = args.steps_at.get(rate, (args.warmup, args.steps))
             for model in args.models:
+                tt = {}
+                if args.to_target:
+                    d = to_target.DEFAULTS[model]
+                    tt = {"target": args.targets.get(model, d.target), "eval_every": args.eval_every or d.eval_every,
+                          "eval_samples": d.eval_samples if args.eval_samples is None else args.eval_samples,
+                          "max_steps": args.max_steps or d.max_steps}
                 for system in systems:
-                    jobs.append(Job(model, system, hosts, rate, warmup, steps, args.epochs, args.batch_size))
+                    jobs.append(Job(model, system, hosts, rate, warmup, steps, args.epochs, args.batch_size, **tt))
     return jobs
+
+
+def _with_budget(job: Job, rows: list[dict], repeat: int) -> Job:
+    """In time-to-accuracy mode, give a non-DDP job its step budget from the DDP row of the same configuration."""
+    if job.target is None or job.system == "ddp":
+        return job
+    ddp = [r for r in rows if (r["model"], r["hosts"], r["rate_bps"], r["system"], r.get("repeat")) ==
+           (job.model, job.hosts, job.rate, "ddp", repeat)]
+    budget, qadam_warmup = to_target.step_budget(ddp[-1] if ddp else None, job.max_steps)
+    return dataclasses.replace(job, max_steps=budget, qadam_warmup=qadam_warmup)
 
 
 def run_suite(args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -196,6 +233,7 @@ def run_suite(args: argparse.Namespace) -> tuple[list[dict], dict]:
                                         if j.hosts == hosts and j.rate == rate]:
                         bar.set_postfix_str(job.describe() + (f" #{repeat + 1}" if args.repeats > 1 else ""))
                         port = (env.find_free_network_port() if not emulate else 20000 + len(rows) % 20000)
+                        job = _with_budget(job, rows, repeat)
                         rows.append(run_job(cluster, job, workdir, port, args.job_timeout))
                         rows[-1].update(run=meta["started"], repeat=repeat)
                         if rows[-1]["status"] != "ok":
@@ -219,6 +257,22 @@ def _parse_steps_at(items: Sequence[str]) -> dict[Optional[int], tuple[int, int]
     return out
 
 
+def _parse_targets(items: Sequence[str], models: Sequence[str]) -> dict[str, float]:
+    """``MODEL=VALUE`` items as a dict; every model of a to-target run must have a default or a given target."""
+    out: dict[str, float] = {}
+    for item in items:
+        model, _, value = item.partition("=")
+        try:
+            out[model] = float(value)
+        except ValueError:
+            raise ValueError(f"--target {item!r}: write MODEL=VALUE, e.g. gpt=2.4 or resnet=0.97") from None
+    missing = [m for m in models if m not in to_target.DEFAULTS]
+    if missing:
+        raise ValueError(f"--to-target needs models with validation data; {missing} have none: use "
+                         f"{', '.join(to_target.DEFAULTS)}")
+    return out
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse the suite's command line."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -228,7 +282,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--systems", default="all", help="'all' or a comma list (ddp, ddp_fp16, ddp_powersgd, "
                                                      "Bagua algorithm names, with arguments as "
                                                      "name:key=value, e.g. decentralized:peer_selection_mode=shift_one)")
-    p.add_argument("--models", default="mlp,digits", help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--models", default="mlp,digits", help=f"comma list of {', '.join(MODELS)} (gpt: byte-level "
+                                                           "GPT on stdlib text; resnet: BatchNorm ResNet on digits)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run (synthetic models)")
     p.add_argument("--steps-at", action="append", default=[], metavar="RATE=WARMUP:STEPS",
@@ -236,7 +291,19 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1, help="run every configuration this many times "
                                                           "(interleaved) and report medians")
     p.add_argument("--epochs", type=int, default=8, help="epochs of the digits model")
-    p.add_argument("--batch-size", type=int, default=32, help="per-host batch size")
+    p.add_argument("--batch-size", type=int, default=None, help="per-host batch size (default: the model's; 32, "
+                                                                  "gpt: 8 sequences of 128 bytes)")
+    p.add_argument("--to-target", action="store_true", help="time to accuracy: train each system to a validation "
+                                                            "target (models gpt, resnet, digits; see to_target)")
+    p.add_argument("--target", action="append", default=[], metavar="MODEL=VALUE",
+                   help="with --to-target: the target of one model, e.g. gpt=2.4 (validation loss) or resnet=0.97 "
+                        "(test accuracy); default: to_target.DEFAULTS (repeatable)")
+    p.add_argument("--eval-every", type=int, default=None, help="with --to-target: steps between evaluations "
+                                                                 "(default: the model's)")
+    p.add_argument("--eval-samples", type=int, default=None, help="with --to-target: validation windows (gpt) or "
+                                                                   "test images (0: all) per evaluation")
+    p.add_argument("--max-steps", type=int, default=None, help="with --to-target: DDP's step budget; the others "
+                                                                "get 3x DDP's steps to the target")
     p.add_argument("--job-timeout", type=float, default=900.0, help="seconds before a run is killed")
     p.add_argument("--loopback", action="store_true", help="do not emulate a network even as root")
     p.add_argument("--out-dir", default="bagua-bench-results", help="where JSON/CSV/PNG go ('' for none)")
@@ -254,6 +321,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     if any(h < 2 for h in args.hosts):
         raise ValueError(f"--hosts {args.hosts}: every host count must be at least 2")
     args.steps_at = _parse_steps_at(args.steps_at)
+    given = [flag for flag, value in (("--target", args.target), ("--eval-every", args.eval_every),
+                                      ("--eval-samples", args.eval_samples), ("--max-steps", args.max_steps))
+             if value not in (None, [])]
+    if given and not args.to_target:
+        raise ValueError(f"{', '.join(given)} only apply to time to accuracy: add --to-target")
+    args.targets = _parse_targets(args.target, args.models if args.to_target else [])
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
     return args
@@ -293,6 +366,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows, meta = run_suite(args)
     rows = report.add_speedups(report.combine_repeats(rows))
     print(report.format_table(rows))
+    if args.to_target:
+        print()
+        print(to_target.format_table(to_target.add_time_speedups(rows)))
     goals = report.check_goals(rows)
     if goals:
         print()

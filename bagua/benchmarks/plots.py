@@ -17,9 +17,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["plot", "figure", "caption_for", "system_order", "TITLE"]
+__all__ = ["plot", "figure", "plot_to_target", "figure_to_target", "caption_for", "system_order", "TITLE",
+           "TITLE_TO_TARGET"]
 
 TITLE = "Training step speedup over torch DDP (higher is better)"
+TITLE_TO_TARGET = "Validation metric against training time (time to accuracy)"
 BANDWIDTH_ORDER = ["unshaped", "10gbit", "1gbit", "100mbit"]
 _MARKERS = "os^vD<>pP*hX"
 
@@ -148,11 +150,79 @@ def _bands_of(rows: list[dict], panel: tuple) -> set:
     return {r["bandwidth"] for r in rows if (r["model"], r["hosts"]) == panel}
 
 
-def caption_for(meta: dict, rows: Optional[list[dict]] = None) -> str:
+def caption_for(meta: dict, rows: Optional[list[dict]] = None, what: str = "median step time") -> str:
     """A one-line caption from a results file's ``meta``: emulated or loopback links, and when it was measured."""
     runs = meta.get("runs") or [meta]
     emulated = all(run.get("emulated", True) for run in runs)
     dates = sorted({str(run.get("started", ""))[:10] for run in runs if run.get("started")})
     where = "hosts emulated in network namespaces, tbf-shaped links" if emulated else "loopback, unshaped"
     when = f"; measured {', '.join(dates)}" if dates else ""
-    return f"median step time; {where}{when}"
+    return f"{what}; {where}{when}"
+
+
+def plot_to_target(rows: list[dict], path: str, caption: str = "", title: str = TITLE_TO_TARGET) -> str:
+    """Draw each time-to-accuracy run's validation curve and save a PNG; return ``path``.
+
+    Args:
+        rows: result rows with ``curve`` (``[step, training seconds, wall seconds, metric]`` per evaluation),
+            ``metric``, ``target``, ``target_status``, ``model``, ``hosts``, ``bandwidth`` and ``system``.
+        path: the PNG to write.
+        caption: a short second title line.
+        title: the first title line.
+
+    Returns:
+        ``path``.
+    """
+    import matplotlib.pyplot as plt
+
+    fig = figure_to_target(rows, caption, title)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def figure_to_target(rows: list[dict], caption: str = "", title: str = TITLE_TO_TARGET):
+    """The figure :func:`plot_to_target` saves: one panel per (model, hosts, bandwidth), the metric against
+    training time (evaluations excluded), one line per system, the target as a black dotted line; a run that
+    did not reach the target ends in an ``x``. The caller closes it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("curve")]
+    if not ok:
+        raise ValueError("no successful time-to-accuracy row (with a 'curve') to plot; run bagua-bench --to-target")
+    panels = sorted({(r["model"], r["hosts"], r["bandwidth"]) for r in ok},
+                    key=lambda p: (p[0], p[1], _bandwidth_key(p[2])))
+    systems = system_order([r["system"] for r in ok])
+    styles = _styles(systems)
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels) + 2.4, 4.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        sub = [r for r in ok if (r["model"], r["hosts"], r["bandwidth"]) == panel]
+        for system in systems:
+            for r in [r for r in sub if r["system"] == system]:
+                xs = [point[1] for point in r["curve"]]
+                ys = [point[3] for point in r["curve"]]
+                style = dict(styles[system], marker=None)
+                ax.plot(xs, ys, label=system, linewidth=1.6, **style)
+                if r.get("target_status") == "not reached":
+                    ax.plot(xs[-1:], ys[-1:], marker="x", markersize=9, color=style["color"], linestyle="")
+        metric, target = sub[0].get("metric", "metric"), sub[0].get("target")
+        if target is not None:
+            ax.axhline(target, color="black", linewidth=0.9, linestyle=":", label="_target")
+        ax.set_title(f"{panel[0]}, {panel[1]} hosts, {panel[2]}", fontsize=11)
+        ax.set_xlabel("training time (s, evaluations excluded)")
+        ax.set_ylabel({"val_loss": "validation loss (nats/byte)", "accuracy": "test accuracy"}.get(metric, metric))
+        ax.grid(True, alpha=0.3)
+    handles, labels = [], []
+    for ax in axes[0]:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            if label not in labels and not label.startswith("_"):
+                handles.append(h)
+                labels.append(label)
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=9,
+               title="system (x: target not reached; dotted: target)", title_fontsize=9)
+    fig.suptitle(title + (f"\n{caption}" if caption else ""), fontsize=12)
+    fig.tight_layout()
+    return fig

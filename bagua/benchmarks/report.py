@@ -34,7 +34,8 @@ import statistics
 import sys
 from typing import Optional, Sequence
 
-from bagua.benchmarks.plots import caption_for, plot
+from bagua.benchmarks import to_target
+from bagua.benchmarks.plots import caption_for, plot, plot_to_target
 
 __all__ = [
     "summarize_ranks",
@@ -108,7 +109,8 @@ def summarize_ranks(ranks: list[dict], rate_bps: Optional[int], emulated: bool) 
 
 
 _MEDIAN_FIELDS = ("step_s", "samples_per_s", "bytes_per_step", "line_rate", "compute_s", "compress_s",
-                  "communicate_s", "wait_s", "accuracy", "accuracy_min", "final_loss")
+                  "communicate_s", "wait_s", "accuracy", "accuracy_min", "final_loss",
+                  "time_to_target_s", "wall_to_target_s", "steps_to_target", "final_metric")
 
 
 def combine_repeats(rows: list[dict]) -> list[dict]:
@@ -241,7 +243,7 @@ def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_pl
                   goals: Optional[list[dict]] = None) -> list[str]:
     """Write ``<name>.json`` and ``<name>.csv`` (and ``<name>.png``) under ``out_dir``; return the paths."""
     os.makedirs(out_dir, exist_ok=True)
-    rows = add_speedups(rows)
+    rows = to_target.add_time_speedups(add_speedups(rows))
     paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "csv")]
     with open(paths[0], "w") as f:
         json.dump({"meta": meta, "goals": goals if goals is not None else check_goals(rows), "results": rows}, f,
@@ -249,6 +251,8 @@ def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_pl
     columns = ["model", "hosts", "bandwidth", "system", "status", "step_s", "samples_per_s", "speedup",
                "step_ratio", "bytes_per_step", "line_rate", "accuracy", "accuracy_min", "final_loss", "compute_s",
                "compress_s", "communicate_s", "wait_s", "timed_steps", "warmup", "emulated", "error"]
+    if any("target_status" in r for r in rows):
+        columns += to_target.COLUMNS
     with open(paths[1], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
@@ -256,6 +260,9 @@ def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_pl
             writer.writerow({k: r.get(k) for k in columns})
     if make_plot and any(r.get("status") == "ok" and r.get("speedup") is not None for r in rows):  # vs DDP
         paths.append(plot(rows, os.path.join(out_dir, f"{name}.png"), caption=caption_for(meta)))
+    if make_plot and any(r.get("status") == "ok" and r.get("curve") for r in rows):
+        paths.append(plot_to_target(rows, os.path.join(out_dir, f"{name}-to-target.png"),
+                                    caption=caption_for(meta, what="metric every --eval-every steps")))
     return paths
 
 
@@ -285,7 +292,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m bagua.benchmarks.report A.json B.json --out-dir D --name N``: merge runs into one table,
     JSON, CSV and plot (speedups stay relative to the DDP run of the same file and configuration).
 
-    ``python -m bagua.benchmarks.report docs/results/X.json`` (no ``--name``) re-renders ``X.png`` from the
+    ``python -m bagua.benchmarks.report docs/results/X.json`` (no ``--name``) re-renders ``X.png`` (and
+    ``X-to-target.png`` for a ``--to-target`` run) from the
     results already in ``X.json``, and writes nothing else: no benchmark is run again.
     """
     import argparse
@@ -303,6 +311,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 meta = json.load(f)["meta"]
             out = os.path.join(args.out_dir or os.path.dirname(path), os.path.splitext(os.path.basename(path))[0])
             print("wrote " + plot(rows, out + ".png", caption=caption_for(meta)))
+            if any(r.get("status") == "ok" and r.get("curve") for r in rows):
+                print("wrote " + plot_to_target(rows, out + "-to-target.png",
+                                                caption=caption_for(meta, what="metric every --eval-every steps")))
         return 0
     out_dir = args.out_dir or os.path.dirname(args.inputs[0])
     rows, meta = merge(args.inputs)

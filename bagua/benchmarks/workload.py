@@ -14,7 +14,14 @@ with ``--system`` and writes one JSON file per rank (``<out>.rank<r>.json``) wit
   timed from outside);
 - ``codec_s``: per step, the estimated compression cost (encode/decode of the gradient-sized tensor with the
   algorithm's codec, timed in-process);
-- ``accuracy`` / ``final_loss`` for the digits model.
+- ``accuracy`` / ``final_loss`` for the digits models.
+
+Models (:data:`MODELS`): ``mlp`` (synthetic, communication-heavy), ``digits`` (small CNN) and ``resnet`` (BatchNorm
+ResNet, :mod:`bagua.benchmarks.resnet`) on scikit-learn's digits, ``gpt`` (byte-level GPT on the standard
+library's sources, :mod:`bagua.benchmarks.gpt`), and ``tiny``, ``resnet_tiny``, ``gpt_tiny`` for tests.
+
+With ``--target T`` the job instead trains until the validation metric reaches ``T`` (or ``--max-steps``) and
+adds ``to_target`` to its result (:mod:`bagua.benchmarks.to_target`).
 
 Systems: ``ddp``, ``ddp_fp16`` (``fp16_compress_hook``), ``ddp_powersgd`` (``powerSGD_hook``, rank 1, vanilla
 allreduce in the first step as torch requires), and every name in Bagua's algorithm registry (``qadam`` gets its
@@ -40,6 +47,10 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from bagua.benchmarks.models import MODELS, build_model
+from bagua.benchmarks.models import loss_fn as _loss_fn
+from bagua.benchmarks.models import train_batches as _batches
+
 __all__ = ["MODELS", "DDP_SYSTEMS", "CODEC_PASSES", "available_systems", "split_system", "build_model", "main"]
 
 DDP_SYSTEMS = ("ddp", "ddp_fp16", "ddp_powersgd")
@@ -53,94 +64,6 @@ CODEC_PASSES: dict[str, Callable[[int], tuple[float, float]]] = {
     "low_precision_decentralized": lambda n: (1.0, 2.0),
     "ddp_fp16": lambda n: (1.0, 1.0),
 }
-
-
-# -- models and data -----------------------------------------------------------------------------------------
-
-
-class DigitsCNN(torch.nn.Module):
-    """A small CNN for 8x8 digits: conv 32, conv 64, pool, 256, 10 (about 0.28 M parameters)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.features = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(),
-            torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
-        )
-        self.head = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(64 * 4 * 4, 256), torch.nn.ReLU(),
-                                        torch.nn.Linear(256, 10))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.features(x))
-
-
-def _mlp(widths: Sequence[int]) -> torch.nn.Module:
-    layers: list[torch.nn.Module] = []
-    for i in range(len(widths) - 1):
-        layers.append(torch.nn.Linear(widths[i], widths[i + 1]))
-        if i < len(widths) - 2:
-            layers.append(torch.nn.ReLU())
-    return torch.nn.Sequential(*layers)
-
-
-@dataclass
-class ModelSpec:
-    """A benchmark model: how to build it, its loss, and whether it trains on real data (digits)."""
-
-    build: Callable[[], torch.nn.Module]
-    in_shape: tuple[int, ...]
-    out_dim: int
-    classify: bool
-    description: str
-
-
-MODELS: dict[str, ModelSpec] = {
-    "mlp": ModelSpec(lambda: _mlp([1024, 4096, 4096, 1024]), (1024,), 1024, False,
-                     "comm-heavy MLP 1024-4096-4096-1024 (25.2 M params, 100.7 MB fp32), synthetic data, MSE, SGD"),
-    "digits": ModelSpec(DigitsCNN, (1, 8, 8), 10, True,
-                        "small CNN on sklearn digits (0.28 M params), cross-entropy, Adam; reports test accuracy"),
-    "tiny": ModelSpec(lambda: _mlp([32, 64, 32]), (32,), 32, False, "tiny MLP for tests (4.2 K params)"),
-}
-
-
-def build_model(name: str, seed: int = 0) -> torch.nn.Module:
-    """Build the benchmark model ``name`` with weights drawn from ``seed``."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; available: {', '.join(MODELS)}")
-    torch.manual_seed(seed)
-    return MODELS[name].build()
-
-
-def _digits_split(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    data = load_digits()
-    x = torch.tensor(data.data, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0
-    y = torch.tensor(data.target, dtype=torch.int64)
-    x_tr, x_te, y_tr, y_te = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
-    return x_tr, y_tr, x_te, y_te
-
-
-def _batches(args: argparse.Namespace, rank: int, world: int) -> tuple[list, Optional[tuple]]:
-    """The training batches of this rank, in order (all epochs), and the test set for classifiers."""
-    spec = MODELS[args.model]
-    if not spec.classify:
-        g = torch.Generator().manual_seed(1000 + rank)
-        pool = [(torch.randn(args.batch_size, *spec.in_shape, generator=g),
-                 torch.randn(args.batch_size, spec.out_dim, generator=g)) for _ in range(4)]
-        return [pool[i % len(pool)] for i in range(args.warmup + args.steps)], None
-    x_tr, y_tr, x_te, y_te = _digits_split(args.seed)
-    sampler = torch.utils.data.DistributedSampler(range(len(x_tr)), num_replicas=world, rank=rank, shuffle=True,
-                                                  seed=args.seed, drop_last=True)
-    batches = []
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
-        idx = torch.tensor(list(sampler))
-        for start in range(0, len(idx) - args.batch_size + 1, args.batch_size):
-            sel = idx[start:start + args.batch_size]
-            batches.append((x_tr[sel], y_tr[sel]))
-    return batches, (x_te, y_te)
 
 
 # -- systems -------------------------------------------------------------------------------------------------
@@ -379,10 +302,6 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
 # -- measurements --------------------------------------------------------------------------------------------
 
 
-def _loss_fn(classify: bool) -> Callable:
-    return torch.nn.functional.cross_entropy if classify else torch.nn.functional.mse_loss
-
-
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, x, y) -> float:
     optimizer.zero_grad()
     loss = loss_fn(model(x), y)
@@ -458,16 +377,28 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--steps", type=int, default=5, help="timed steps (synthetic models)")
     p.add_argument("--epochs", type=int, default=6, help="epochs (digits); every step after --warmup is timed")
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size")
-    p.add_argument("--lr", type=float, default=None, help="default: 0.01 (SGD) or 0.002 (Adam, digits)")
+    p.add_argument("--batch-size", type=int, default=None, help="per-rank batch size (default: the model's, "
+                                                                  "32; gpt: 8 sequences)")
+    p.add_argument("--lr", type=float, default=None, help="default: 0.01 (SGD), 0.002 (Adam, digits), "
+                                                          "0.001 (Adam, gpt)")
+    p.add_argument("--target", type=float, default=None, help="train to this validation metric instead of timing "
+                                                              "steps (bagua.benchmarks.to_target)")
+    p.add_argument("--eval-every", type=int, default=None, help="with --target: steps between evaluations "
+                                                                 "(default: the model's, to_target.DEFAULTS)")
+    p.add_argument("--eval-samples", type=int, default=None, help="with --target: validation windows (gpt) or "
+                                                                   "test images (0: all 360) evaluated")
+    p.add_argument("--max-steps", type=int, default=None, help="with --target: give up after this many steps")
+    p.add_argument("--qadam-warmup", type=int, default=None, help="with --target: QAdam's warmup steps")
     p.add_argument("--compute-steps", type=int, default=3, help="replica steps for the compute phase (0: skip)")
     p.add_argument("--iface", default="lo", help="interface whose tx bytes are counted")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True, help="results go to OUT.rank<r>.json")
     args = p.parse_args(argv)
-    for key in ("warmup", "steps", "epochs", "batch_size", "threads"):
-        if getattr(args, key) < (0 if key == "warmup" else 1):
+    if args.batch_size is None:
+        args.batch_size = MODELS[args.model].batch_size
+    for key in ("warmup", "steps", "epochs", "batch_size", "threads", "eval_every", "max_steps"):
+        if getattr(args, key) is not None and getattr(args, key) < (0 if key == "warmup" else 1):
             raise ValueError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     return args
 
@@ -481,10 +412,15 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     bagua.init_process_group()
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.target is not None:
+        from bagua.benchmarks import to_target
+
+        return _write(args, to_target.train(args, rank, world))
     spec = MODELS[args.model]
-    optimizer_kind = "adam" if spec.classify else "sgd"
-    lr = args.lr if args.lr is not None else (0.002 if spec.classify else 0.01)
-    qadam_warmup = qadam_warmup_steps(len(_batches(args, rank, world)[0]) if spec.classify else None, args.steps)
+    optimizer_kind = spec.optimizer
+    lr = args.lr if args.lr is not None else spec.lr
+    qadam_warmup = qadam_warmup_steps(len(_batches(args, rank, world)[0]) if spec.data == "digits" else None,
+                                      args.steps)
     args.warmup = untimed_steps(split_system(args.system)[0], args.warmup, qadam_warmup)
     batches, test = _batches(args, rank, world)
     if len(batches) <= args.warmup:
@@ -493,7 +429,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     replica = copy.deepcopy(model) if args.compute_steps else None
     numel = sum(p.numel() for p in model.parameters())
     system = make_system(args.system, model, optimizer_kind, lr, qadam_warmup)
-    loss_fn = _loss_fn(spec.classify)
+    loss_fn = _loss_fn(spec)
 
     times, losses, tx_start, comm_busy = [], [], 0, 0.0
     train_start = time.perf_counter()
@@ -528,7 +464,12 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "accuracy": accuracy, "final_loss": statistics.mean(losses[-5:]), "train_time_s": train_time,
         "notes": system.notes,
     }
-    with open(f"{args.out}.rank{rank}.json", "w") as f:
+    return _write(args, result)
+
+
+def _write(args: argparse.Namespace, result: dict) -> dict:
+    """Write this rank's result, wait for every rank, leave the process group; return the result."""
+    with open(f"{args.out}.rank{result['rank']}.json", "w") as f:
         json.dump(result, f)
     dist.barrier()
     dist.destroy_process_group()

@@ -89,3 +89,31 @@ def test_autotune_plot_marks_the_chosen_setting(tmp_path):
         assert legend.get_window_extent(renderer).y1 <= ax.get_window_extent(renderer).y0  # below the data
     finally:
         plt.close(fig)
+
+
+def test_to_target_plot_one_panel_per_bandwidth(tmp_path):
+    rows = []
+    for band, slow in (("unshaped", 1.0), ("100mbit", 4.0)):
+        for system, factor, hit in (("ddp", slow, True), ("bytegrad", 1.2, True), ("async", 1.0, False)):
+            curve = [[s, s * factor, s * factor + 1, 5.5 - 0.1 * s] for s in range(0, 30, 10)]
+            rows.append({"model": "gpt", "hosts": 2, "bandwidth": band, "system": system, "status": "ok",
+                         "metric": "val_loss", "target": 3.6, "curve": curve,
+                         "target_status": "reached" if hit else "not reached"})
+    rows.append({"model": "gpt", "hosts": 2, "bandwidth": "1gbit", "system": "ddp", "status": "failed"})
+    assert plots.plot_to_target(rows, str(tmp_path / "tt.png")).endswith("tt.png")
+    fig = plots.figure_to_target(rows, caption="test")
+    try:
+        assert [ax.get_title() for ax in fig.axes] == ["gpt, 2 hosts, unshaped", "gpt, 2 hosts, 100mbit"]
+        ax = fig.axes[0]
+        lines = {line.get_label(): line for line in ax.get_lines()}
+        assert lines["ddp"].get_linestyle() == "--" and lines["bytegrad"].get_linestyle() == "-"
+        assert lines["ddp"].get_color() == "#444444"
+        assert any(line.get_marker() == "x" for line in ax.get_lines())  # async: not reached
+        assert any(list(line.get_ydata()) == [3.6, 3.6] for line in ax.get_lines())  # the target
+        legend = fig.legends[0]
+        assert [t.get_text() for t in legend.get_texts()] == ["ddp", "async", "bytegrad"]
+        assert _right_of_axes(fig, legend)
+    finally:
+        plt.close(fig)
+    with pytest.raises(ValueError, match="--to-target"):
+        plots.figure_to_target([{"status": "ok", "model": "gpt"}])

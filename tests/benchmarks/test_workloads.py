@@ -1,0 +1,125 @@
+"""The real workloads of the network suite (``gpt``: a byte-level GPT on the standard library's sources;
+``resnet``: a BatchNorm ResNet on digits): shapes, tied weights, loss at initialization, the text split, and a
+few steps of every system at 2 ranks through the suite's own runner on loopback, against plain single-process
+training on the averaged loss where the system is synchronous and exact."""
+
+from __future__ import annotations
+
+import math
+from argparse import Namespace
+
+import pytest
+import torch
+
+from bagua.benchmarks import gpt, netns
+from bagua.benchmarks.network import Job, run_job
+from bagua.benchmarks.resnet import ResNet
+from bagua.benchmarks.models import MODELS, build_model, loss_fn, train_batches
+from bagua.benchmarks.workload import available_systems
+
+#: systems whose update is exactly SGD/Adam on the loss averaged over ranks (others compress or average weights)
+EXACT = ("ddp", "gradient_allreduce")
+
+
+def test_gpt_shapes_and_tied_embeddings():
+    cfg = gpt.GPTConfig.tiny()
+    model = gpt.GPT(cfg)
+    idx = torch.randint(256, (3, cfg.block_size))
+    assert model(idx).shape == (3, cfg.block_size, 256)
+    assert model(idx[:, :5]).shape == (3, 5, 256)
+    with pytest.raises(ValueError, match="block_size"):
+        model(torch.zeros(1, cfg.block_size + 1, dtype=torch.long))
+    # tied: one Parameter under two names, listed once, and it receives the gradient of both uses
+    assert model.head.weight is model.tok.weight
+    params = list(model.parameters())
+    assert sum(p is model.tok.weight for p in params) == 1
+    assert len(params) == len({id(p) for p in params})
+    assert [n for n, p in model.named_parameters() if p is model.tok.weight] == ["tok.weight"]
+    gpt.lm_loss(model(idx[:, :-1]), idx[:, 1:]).backward()
+    assert model.tok.weight.grad is not None and model.tok.weight.grad.abs().sum() > 0
+
+
+def test_default_gpt_is_10_to_40m_parameters_with_6_to_12_layers():
+    model = build_model("gpt")
+    n = sum(p.numel() for p in model.parameters())
+    assert 10e6 <= n <= 40e6, n
+    assert 6 <= model.cfg.n_layer <= 12
+    assert any(isinstance(m, torch.nn.LayerNorm) for m in model.modules())
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt_tiny"])
+def test_lm_loss_at_initialization_is_near_uniform(name):
+    model = build_model(name)
+    _, val = gpt.load_text(1 << 16, 1 << 16)
+    x, y = gpt.validation_windows(val, 4, MODELS[name].in_shape[0])
+    with torch.no_grad():
+        loss = float(gpt.lm_loss(model(x), y))
+    assert loss == pytest.approx(math.log(256), abs=0.25)
+
+
+def test_resnet_shapes_and_batchnorm():
+    model = build_model("resnet")
+    assert model(torch.rand(5, 1, 8, 8)).shape == (5, 10)
+    assert sum(isinstance(m, torch.nn.BatchNorm2d) for m in model.modules()) >= 4
+    assert 0.1e6 < sum(p.numel() for p in model.parameters()) < 0.5e6
+    assert build_model("resnet_tiny")(torch.rand(2, 1, 8, 8)).shape == (2, 10)
+    with pytest.raises(ValueError, match="at least one stage"):
+        ResNet(widths=(), blocks=1)
+
+
+def test_text_split_is_deterministic_and_disjoint():
+    root, files = gpt.stdlib_files()
+    assert files == sorted(files) and not any("site-packages" in f for f in files)
+    train, val = gpt.split_files(files)
+    assert gpt.split_files(files) == (train, val)
+    assert [sorted(part) for part in gpt.split_files(files[::-1])] == [train, val]  # by path, not by position
+    assert set(train).isdisjoint(val) and set(train) | set(val) == set(files)
+    assert 0.03 < len(val) / len(files) < 0.2
+    a_train, a_val = gpt.load_text(1 << 18, 1 << 16)
+    b_train, b_val = gpt.load_text(1 << 18, 1 << 16)
+    assert torch.equal(a_train, b_train) and torch.equal(a_val, b_val)
+    assert len(a_train) <= (1 << 18) + 2 and len(a_val) <= (1 << 16) + 2  # the cap (plus one separator)
+    first_val = open(f"{root}/{val[0]}", "rb").read(100)
+    assert bytes(a_val[:100].tolist()) == first_val[:100]
+    # batches: reproducible per (seed, rank), different between ranks, targets are the inputs shifted by one
+    r0, r0_again, r1 = (gpt.TextBatches(a_train, 4, 16, 0, r).batch(3) for r in (0, 0, 1))
+    assert torch.equal(r0[0], r0_again[0]) and not torch.equal(r0[0], r1[0])
+    assert torch.equal(r0[0][:, 1:], r0[1][:, :-1])
+
+
+def _reference_final_loss(model_name: str, warmup: int, steps: int, world: int, epochs: int) -> float:
+    """Plain single-process training on the average of every rank's loss (same optimizer, same data)."""
+    spec = MODELS[model_name]
+    model = build_model(model_name, seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
+    args = Namespace(model=model_name, batch_size=spec.batch_size, warmup=warmup, steps=steps, epochs=epochs,
+                     seed=0)
+    data = [train_batches(args, r, world)[0] for r in range(world)]
+    criterion = loss_fn(spec)
+    losses: list[list[float]] = [[] for _ in range(world)]
+    for i in range(len(data[0])):
+        opt.zero_grad()
+        per_rank = [criterion(model(data[r][i][0]), data[r][i][1]) for r in range(world)]
+        for r, loss in enumerate(per_rank):
+            losses[r].append(loss.item())
+        (sum(per_rank) / world).backward()
+        opt.step()
+    return sum(sum(ls[-5:]) / len(ls[-5:]) for ls in losses) / world
+
+
+@pytest.mark.parametrize("model", ["gpt_tiny", "resnet_tiny"])
+@pytest.mark.parametrize("system", available_systems())
+def test_every_system_trains_the_real_workloads(model, system, tmp_path):
+    # gpt: 1 untimed + 2 timed steps; resnet: one epoch of digits (22 steps of 32 images per rank)
+    job = Job(model, system, 2, None, warmup=1, steps=2, epochs=1)
+    with netns.LoopbackCluster(2) as cluster:
+        from bagua.torch_api import env
+
+        row = run_job(cluster, job, str(tmp_path), port=env.find_free_network_port(), timeout_s=240)
+    assert row["status"] == "ok", row.get("error")
+    assert math.isfinite(row["final_loss"])
+    if MODELS[model].classify:
+        assert 0.0 <= row["accuracy"] <= 1.0
+    if system in EXACT:
+        reference = _reference_final_loss(model, row["warmup"], 2, 2, 1)
+        assert row["final_loss"] == pytest.approx(reference, rel=1e-4)
