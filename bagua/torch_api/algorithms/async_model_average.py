@@ -212,6 +212,9 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
 
         return hook
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # nothing of its own, but the ranks' weights differ: checkpoint them per rank
+
     def close(self) -> None:
         self._stop_thread(raise_on_timeout=False)
 

@@ -267,6 +267,13 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         n = _peer_count(self.process_group, hierarchical)
         return not (self.peer_selection_mode == "shift_one" and n > 1 and n % 2)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        # the ranks' weights differ (checkpointed per rank); the round number drives shift_one's pairing
+        return {"round": torch.tensor(self._round, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._round = int(state["round"])
+
 
 def _check_peer_mode(peer_selection_mode: str) -> None:
     if peer_selection_mode not in PEER_SELECTION_MODES:
