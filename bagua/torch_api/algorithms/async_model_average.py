@@ -279,17 +279,32 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         self._thread = None
         self._state = _STOPPED
         if self._error is not None:
+            if raise_on_timeout:  # abort(): the user learns that the last rounds failed
+                raise self._peer_error() from self._error
             logger.warning("rank %d: async model averaging had stopped on an error: %r", dist.get_rank(), self._error)
 
     def _report_if_stopped(self) -> None:
         if self._state != _RUNNING or self._thread is None or self._thread.is_alive():
             return
-        reason = f"on an error: {self._error!r}" if self._error is not None else "because a peer called abort()"
-        logger.warning(
-            "rank %d: async model averaging stopped %s; training goes on without averaging until every rank "
-            "calls resume()", dist.get_rank(), reason,
-        )
         self._thread, self._state = None, _STOPPED  # forgetting the thread: reported once
+        if self._error is not None:
+            # a peer died or is stuck: training alone would silently stop averaging, so stop here, as the
+            # synchronous algorithms do when a bucket's collective fails
+            raise self._peer_error() from self._error
+        logger.warning(
+            "rank %d: async model averaging stopped because a peer called abort(); training goes on without "
+            "averaging until every rank calls resume()", dist.get_rank(),
+        )
+
+    def _peer_error(self) -> RuntimeError:
+        me = dist.get_rank()
+        peers = [r for r in self._ranks if r != me]
+        return RuntimeError(
+            f"rank {me}: async model averaging with peer rank(s) {peers} failed: {self._error}. A peer died or is "
+            f"stuck (a round waits at most BAGUA_COMM_TIMEOUT_S={env.get_comm_timeout_s():.0f} s); this rank's "
+            "weights would no longer be averaged. A rank that stops training early must call "
+            "model.bagua_algorithm.abort(model) first"
+        )
 
     def _run_loop(self) -> None:
         try:
