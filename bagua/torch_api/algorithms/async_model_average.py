@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
 from bagua.torch_api import env
+from bagua.torch_api.algorithms._checks import check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.decentralized import (
     _copy_weights_from,
@@ -401,18 +402,15 @@ class AsyncModelAverageAlgorithm(Algorithm):
     warmup_steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.peer_selection_mode != "all":
-            raise ValueError(
-                f"AsyncModelAverageAlgorithm supports peer_selection_mode='all' only, got {self.peer_selection_mode!r}"
-            )
-        if self.sync_interval_ms < 0:
-            raise ValueError(f"sync_interval_ms must be >= 0 milliseconds, got {self.sync_interval_ms}")
+        check_choice("AsyncModelAverageAlgorithm", "peer_selection_mode", self.peer_selection_mode, ("all",))
+        check_number("AsyncModelAverageAlgorithm", "sync_interval_ms", self.sync_interval_ms, 0,
+                     "milliseconds between two rounds")
+        check_int("AsyncModelAverageAlgorithm", "warmup_steps", self.warmup_steps, 0,
+                  "steps of gradient allreduce first")
         if self.sync_interval_ms == 0:
             import warnings
 
             warnings.warn("AsyncModelAverageAlgorithm(sync_interval_ms=0) never averages the weights", stacklevel=3)
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
 
     def reify(self, process_group: BaguaProcessGroup) -> AsyncModelAverageAlgorithmImpl:
         return AsyncModelAverageAlgorithmImpl(

@@ -39,6 +39,7 @@ from typing import Any, Optional
 
 import torch
 
+from bagua.torch_api.algorithms._checks import check_bool, check_choice
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.nonfinite import (
     NONFINITE_POLICIES,
@@ -158,10 +159,8 @@ class ByteGradAlgorithm(Algorithm):
 
     def __post_init__(self) -> None:
         for name in ("hierarchical", "average", "error_feedback"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ByteGradAlgorithm({name}=...) must be True or False, got {getattr(self, name)!r}")
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"ByteGradAlgorithm(nonfinite={self.nonfinite!r}): choose one of {NONFINITE_POLICIES}")
+            check_bool("ByteGradAlgorithm", name, getattr(self, name))
+        check_choice("ByteGradAlgorithm", "nonfinite", self.nonfinite, NONFINITE_POLICIES)
 
     def reify(self, process_group: BaguaProcessGroup) -> ByteGradAlgorithmImpl:
         return ByteGradAlgorithmImpl(

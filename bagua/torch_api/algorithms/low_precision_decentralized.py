@@ -257,7 +257,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     communication_interval: int = 1
 
     def __post_init__(self) -> None:
-        _check_interval(self.communication_interval)
+        _check_interval(self.communication_interval, self.hierarchical, "LowPrecisionDecentralizedAlgorithm")
 
     def reify(self, process_group: BaguaProcessGroup) -> LowPrecisionDecentralizedAlgorithmImpl:
         return LowPrecisionDecentralizedAlgorithmImpl(
