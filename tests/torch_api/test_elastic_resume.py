@@ -1,8 +1,8 @@
 """Resuming from a checkpoint gives every rank its own state back (issue 20: nothing silently wrong).
 
 Per algorithm: an uninterrupted run of N steps and a run that saves a checkpoint at step K (one job; its processes
-then exit), and a run that resumes from that checkpoint (a second job of fresh processes). The resumed run's final weights must equal the uninterrupted
-run's, bit for bit, on every rank. Data depend on the rank and the step only, so the resumed run sees the same
+then exit), and a run that resumes from that checkpoint (a second job of fresh processes). The resumed run's final
+weights must equal the uninterrupted run's, bit for bit, on every rank. Data depend on the rank and the step only, so the resumed run sees the same
 batches. For the algorithms whose ranks diverge, the test also checks that they did diverge at step K (so a
 checkpoint of rank 0's state alone would fail the comparison).
 """

@@ -72,9 +72,10 @@ def check_finite_after_communication(
     """Apply ``policy`` when a bucket holds NaN or Inf after an 8-bit allreduce; return whether all was finite.
 
     All ranks hold the same result after the all-gather, so they all reach the same verdict here and act alike
-    (no rank is left waiting): ``"propagate"`` leaves the values for ``GradScaler``, ``"raise"`` raises ``FloatingPointError``, ``"skip"`` drops every gradient of the step (a plain
-    optimizer then skips every parameter), ``"ignore"`` does nothing. Except with ``"ignore"``, the error-feedback residuals get
-    their values from before the step back (the step leaves no trace in them). ``known`` maps bucket names to a verdict
+    (no rank is left waiting): ``"propagate"`` leaves the values for ``GradScaler``, ``"raise"`` raises
+    ``FloatingPointError``, ``"skip"`` drops every gradient of the step (a plain optimizer then skips every
+    parameter), ``"ignore"`` does nothing. Except with ``"ignore"``, the error-feedback residuals get their values
+    from before the step back (the step leaves no trace in them). ``known`` maps bucket names to a verdict
     already reached on the communication thread (:class:`FiniteVerdicts`); the other buckets are checked here.
     """
     if policy == "ignore":
