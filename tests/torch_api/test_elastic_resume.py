@@ -2,9 +2,9 @@
 
 Per algorithm: an uninterrupted run of N steps and a run that saves a checkpoint at step K (one job; its processes
 then exit), and a run that resumes from that checkpoint (a second job of fresh processes). The resumed run's final
-weights must equal the uninterrupted run's, bit for bit, on every rank. Data depend on the rank and the step only, so the resumed run sees the same
-batches. For the algorithms whose ranks diverge, the test also checks that they did diverge at step K (so a
-checkpoint of rank 0's state alone would fail the comparison).
+weights must equal the uninterrupted run's, bit for bit, on every rank. Data depend on the rank and the step only,
+so the resumed run sees the same batches. For the algorithms whose ranks diverge, the test also checks that they
+did diverge at step K (so a checkpoint of rank 0's state alone would fail the comparison).
 """
 
 from __future__ import annotations
