@@ -59,6 +59,7 @@ def test_survivor_sees_bucket_rank_and_timeout_hint(tmp_path):
 
 
 def _worker_async_peer_dies(rank, world_size, out_dir, how):
+    import json
     import signal
 
     from bagua.torch_api.algorithms.async_model_average import AsyncModelAverageAlgorithm
@@ -70,41 +71,49 @@ def _worker_async_peer_dies(rank, world_size, out_dir, how):
     x = torch.randn(2, 4)
     started = None
     step = 0
-    while started is None or time.monotonic() - started < 12.0:
+    while started is None or time.monotonic() - started < 30.0:
         if step == 20:
             if rank == 1:
-                os.kill(os.getpid(), getattr(signal, how))  # dead (SIGKILL) or stuck (SIGSTOP)
+                with open(os.path.join(out_dir, "rank1.json"), "w") as f:
+                    json.dump({"pid": os.getpid(), "killed_at": time.time()}, f)
+                os.kill(os.getpid(), getattr(signal, how))  # dead (SIGKILL) or stuck for good (SIGSTOP)
             started = time.monotonic()
         try:
             opt.zero_grad()
             model(x).sum().backward()
             opt.step()
         except RuntimeError as exc:
-            message = f"raised {time.monotonic() - started:.1f}s after the kill: {exc}"
+            message = f"raised: {exc}"
             break
         time.sleep(0.005)
         step += 1
     else:
-        message = "finished: trained alone for 12 s after the peer died"
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write(message)
+        message = "finished: trained alone for 30 s after the peer died"
+    with open(os.path.join(out_dir, "rank0.json"), "w") as f:
+        json.dump({"at": time.time(), "message": message}, f)
+    if how == "SIGSTOP":  # end the stuck peer, so the harness sees it gone
+        with open(os.path.join(out_dir, "rank1.json")) as f:
+            os.kill(json.load(f)["pid"], signal.SIGKILL)
     return message
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGSTOP"])
 def test_async_survivor_raises_naming_the_dead_peer(tmp_path, how):
+    import json
+
     from tests.harness import WorkerError
 
-    # the harness gives up on rank 1 (killed, or stopped for good); rank 0 reports through its file
-    expected = "rank 1 exited with code -9" if how == "SIGKILL" else r"ranks \[1\] did not finish"
-    with pytest.raises(WorkerError, match=expected):
-        run_workers(_worker_async_peer_dies, 2, str(tmp_path), how, env={"BAGUA_COMM_TIMEOUT_S": "5"}, timeout=20)
+    # the harness gives up on rank 1 (killed, or stopped and then killed by rank 0); rank 0 reports through a file
+    with pytest.raises(WorkerError, match="rank 1 exited with code -9"):
+        run_workers(_worker_async_peer_dies, 2, str(tmp_path), how, env={"BAGUA_COMM_TIMEOUT_S": "5"}, timeout=120)
     for _ in range(100):  # rank 0 writes its message once its training forward has raised
-        if (tmp_path / "rank0.txt").exists():
+        if (tmp_path / "rank0.json").exists():
             break
         time.sleep(0.2)
-    message = (tmp_path / "rank0.txt").read_text()
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    message = report["message"]
     assert message.startswith("raised"), message
-    seconds = float(message.split()[1].rstrip("s"))
-    assert seconds < 8.0, message  # within the communication timeout (5 s), a round and a step
     assert "rank 0: async model averaging with peer rank(s) [1] failed" in message, message
+    # within the communication timeout (5 s), plus a round and a step on a loaded 2-core machine (5 s)
+    seconds = report["at"] - json.loads((tmp_path / "rank1.json").read_text())["killed_at"]
+    assert seconds < 10.0, (seconds, message)
