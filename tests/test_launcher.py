@@ -51,6 +51,26 @@ def test_elastic_run_restarts_after_a_rank_dies_and_matches_an_uninterrupted_run
         assert_close(got[r]["params"], ref[r]["params"], rtol=0, atol=0)
 
 
+def test_elastic_restart_of_decentralized_sgd_gives_every_rank_its_own_weights_back(tmp_path):
+    # decentralized SGD: the ranks' weights and momenta differ; rank 1 is killed with SIGKILL after the step-5
+    # checkpoint; the restarted group must resume every rank from its own state, not from rank 0's
+    clean, killed = tmp_path / "clean", tmp_path / "killed"
+    clean.mkdir()
+    killed.mkdir()
+    common = ["bagua.distributed.run", "--standalone", "--nproc_per_node=2"]
+    proc = _run([*common, SCRIPT, str(clean), "8", "--algorithm", "decentralized"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = _run([*common, "--max_restarts=1", SCRIPT, str(killed), "8", "--algorithm", "decentralized",
+                 "--kill-at", "5"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref, got = _finals(clean), _finals(killed)
+    assert got[0]["attempt"] == 1 and got[0]["start"] == 5  # restarted once, resumed from the step-5 checkpoint
+    assert any(not torch.equal(a, b) for a, b in zip(ref[0]["params"], ref[1]["params"]))  # the ranks differ
+    for r in range(2):
+        for a, b in zip(got[r]["params"], ref[r]["params"]):
+            assert torch.equal(a, b), f"rank {r} differs from the uninterrupted run"
+
+
 def test_launcher_rejects_invalid_flags():
     proc = _run(["bagua.distributed.launch", "--nproc_per_node=2", "--default_bucket_size=0", SCRIPT, "x", "1"])
     assert proc.returncode != 0 and "bucket size must be positive" in proc.stderr

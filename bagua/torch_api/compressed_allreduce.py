@@ -76,7 +76,7 @@ class Workspace:
 
     __slots__ = (
         "numel", "nranks", "length", "segments", "send", "recv", "mine", "work", "staging", "residual",
-        "server_residual",
+        "server_residual", "previous",
     )
 
     def __init__(self, numel: int, nranks: int, device: torch.device, error_feedback: bool = False) -> None:
@@ -94,6 +94,15 @@ class Workspace:
         self.staging = self._new_staging(device) if nranks * self.length != numel else None
         self.residual = torch.zeros(nranks, self.length, device=device) if error_feedback else None
         self.server_residual = torch.zeros(self.length, device=device) if error_feedback else None
+        # the residuals before the last call, so that a step whose result is not finite can be undone
+        self.previous = (torch.zeros_like(self.residual), torch.zeros_like(self.server_residual)) if (
+            error_feedback) else None
+
+    def rollback(self) -> None:
+        """Give the residuals back their values from before the last call (a step that was not finite)."""
+        if self.previous is not None:
+            self.residual.copy_(self.previous[0])
+            self.server_residual.copy_(self.previous[1])
 
     def _new_staging(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(self.nranks * self.length, dtype=torch.float32, device=device)
@@ -164,6 +173,8 @@ def low_precision_allreduce_inplace(
     # 1-2: the chunks of the peers first, each segment sent as soon as it is encoded; the rank's own chunk
     # (which never travels) is encoded while they are on the wire
     if ws.residual is not None:
+        ws.previous[0].copy_(ws.residual)
+        ws.previous[1].copy_(ws.server_residual)
         chunks.add_(ws.residual)
     L = ws.length
     peers = [(r + d) % n for d in range(1, n)]
@@ -290,6 +301,7 @@ def centralized_low_precision_op(
             for stale in [k for k in workspaces if k[0] == bucket.name]:
                 del workspaces[stale]
             ws = workspaces[key] = Workspace(flat.numel(), c.nranks(), flat.device, error_feedback=error_feedback)
+            _load_residuals(ws)
         return ws
 
     def low_precision_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
@@ -317,7 +329,41 @@ def centralized_low_precision_op(
         if on_finite is not None:
             on_finite(bucket.name, all_finite(flat) if finite is None else finite)
 
+    loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint, for workspaces not yet built
+
+    def rollback() -> None:
+        for ws in workspaces.values():
+            ws.rollback()
+
+    def state_dict() -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residuals (``residual``, ``server_residual``); empty without them."""
+        state = dict(loaded)
+        for ws in workspaces.values():
+            if ws.residual is not None:
+                state = {"residual": ws.residual.clone(), "server_residual": ws.server_residual.clone()}
+        return state
+
+    def load_state_dict(state: dict[str, torch.Tensor]) -> None:
+        loaded.clear()
+        loaded.update(state)
+        for ws in workspaces.values():
+            _load_residuals(ws)
+
+    def _load_residuals(ws: Workspace) -> None:
+        if ws.residual is None or not loaded:
+            return
+        if loaded["residual"].shape != ws.residual.shape:
+            raise ValueError(f"error-feedback residuals of shape {tuple(loaded['residual'].shape)} cannot be "
+                             f"loaded into a bucket of shape {tuple(ws.residual.shape)}; the checkpoint was saved "
+                             "with other buckets or another number of ranks")
+        ws.residual.copy_(loaded["residual"])
+        ws.server_residual.copy_(loaded["server_residual"])
+        loaded.clear()
+
     low_precision_op.reset = workspaces.clear  # type: ignore[attr-defined]  (drops buffers and residuals)
+    low_precision_op.rollback = rollback  # type: ignore[attr-defined]  (residuals as before the last call)
+    low_precision_op.state_dict = state_dict  # type: ignore[attr-defined]
+    low_precision_op.load_state_dict = load_state_dict  # type: ignore[attr-defined]
     low_precision_op.accepts_pending = True  # type: ignore[attr-defined]  (see BaguaBucket.defer_restore)
     return low_precision_op
 

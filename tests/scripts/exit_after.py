@@ -23,6 +23,10 @@ if name != "none":
         opt.zero_grad()
         model(torch.randn(8, 32)).square().mean().backward()
         opt.step()
+    if name == "async":
+        # every rank that stops training calls abort (documented): a peer that disappears without it is a dead
+        # peer to the others, whose next forward raises
+        model.bagua_algorithm.abort(model)
 with open(os.path.join(sys.argv[2], f"done-{bagua.get_rank()}"), "w") as f:
     f.write("done")
 

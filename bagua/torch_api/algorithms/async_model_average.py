@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
 from bagua.torch_api import env
+from bagua.torch_api.algorithms._checks import check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.decentralized import (
     _copy_weights_from,
@@ -212,6 +213,9 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
 
         return hook
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {}  # nothing of its own, but the ranks' weights differ: checkpoint them per rank
+
     def close(self) -> None:
         self._stop_thread(raise_on_timeout=False)
 
@@ -276,17 +280,32 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
         self._thread = None
         self._state = _STOPPED
         if self._error is not None:
+            if raise_on_timeout:  # abort(): the user learns that the last rounds failed
+                raise self._peer_error() from self._error
             logger.warning("rank %d: async model averaging had stopped on an error: %r", dist.get_rank(), self._error)
 
     def _report_if_stopped(self) -> None:
         if self._state != _RUNNING or self._thread is None or self._thread.is_alive():
             return
-        reason = f"on an error: {self._error!r}" if self._error is not None else "because a peer called abort()"
-        logger.warning(
-            "rank %d: async model averaging stopped %s; training goes on without averaging until every rank "
-            "calls resume()", dist.get_rank(), reason,
-        )
         self._thread, self._state = None, _STOPPED  # forgetting the thread: reported once
+        if self._error is not None:
+            # a peer died or is stuck: training alone would silently stop averaging, so stop here, as the
+            # synchronous algorithms do when a bucket's collective fails
+            raise self._peer_error() from self._error
+        logger.warning(
+            "rank %d: async model averaging stopped because a peer called abort(); training goes on without "
+            "averaging until every rank calls resume()", dist.get_rank(),
+        )
+
+    def _peer_error(self) -> RuntimeError:
+        me = dist.get_rank()
+        peers = [r for r in self._ranks if r != me]
+        return RuntimeError(
+            f"rank {me}: async model averaging with peer rank(s) {peers} failed: {self._error}. A peer died or is "
+            f"stuck (a round waits at most BAGUA_COMM_TIMEOUT_S={env.get_comm_timeout_s():.0f} s); this rank's "
+            "weights would no longer be averaged. A rank that stops training early must call "
+            "model.bagua_algorithm.abort(model) first"
+        )
 
     def _run_loop(self) -> None:
         try:
@@ -383,18 +402,15 @@ class AsyncModelAverageAlgorithm(Algorithm):
     warmup_steps: int = 0
 
     def __post_init__(self) -> None:
-        if self.peer_selection_mode != "all":
-            raise ValueError(
-                f"AsyncModelAverageAlgorithm supports peer_selection_mode='all' only, got {self.peer_selection_mode!r}"
-            )
-        if self.sync_interval_ms < 0:
-            raise ValueError(f"sync_interval_ms must be >= 0 milliseconds, got {self.sync_interval_ms}")
+        check_choice("AsyncModelAverageAlgorithm", "peer_selection_mode", self.peer_selection_mode, ("all",))
+        check_number("AsyncModelAverageAlgorithm", "sync_interval_ms", self.sync_interval_ms, 0,
+                     "milliseconds between two rounds")
+        check_int("AsyncModelAverageAlgorithm", "warmup_steps", self.warmup_steps, 0,
+                  "steps of gradient allreduce first")
         if self.sync_interval_ms == 0:
             import warnings
 
             warnings.warn("AsyncModelAverageAlgorithm(sync_interval_ms=0) never averages the weights", stacklevel=3)
-        if self.warmup_steps < 0:
-            raise ValueError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
 
     def reify(self, process_group: BaguaProcessGroup) -> AsyncModelAverageAlgorithmImpl:
         return AsyncModelAverageAlgorithmImpl(

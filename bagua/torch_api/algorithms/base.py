@@ -172,5 +172,21 @@ class AlgorithmImpl:
         """Whether the implementation can switch to ``hierarchical`` (autotune asks before it flips the mode)."""
         return hasattr(self, "hierarchical")
 
+    def state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """Return this rank's own state for a per-rank checkpoint file, or ``None`` (the default).
+
+        ``None`` says that the ranks' weights, optimizer states and algorithm states are identical, so rank 0's
+        checkpoint restores every rank. An algorithm whose ranks diverge (weights averaged with peers,
+        error-feedback residuals) returns a dict of tensors, possibly empty: ``save_checkpoint`` then writes, on
+        every rank, this dict with the rank's model and optimizer states, and ``load_checkpoint`` restores them
+        on the same rank and hands the dict to :meth:`load_state_dict`.
+        """
+        return None
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_dict` returned on this rank (after the model and optimizer are loaded)."""
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no per-rank state, got keys {sorted(state)[:5]}")
+
     def close(self) -> None:
         """Release what the implementation holds (threads, groups) when the model is re-wrapped or torn down."""

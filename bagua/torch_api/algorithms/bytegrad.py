@@ -35,7 +35,11 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Optional
 
+import torch
+
+from bagua.torch_api.algorithms._checks import check_bool, check_choice
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.nonfinite import (
     NONFINITE_POLICIES,
@@ -81,6 +85,7 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         self.error_feedback = error_feedback
         self.nonfinite = nonfinite
         self._verdicts = FiniteVerdicts()
+        self._ops: dict[str, Any] = {}  # bucket name -> its operation (which holds the residuals)
 
     def init_post_backward_hook(self, bagua_ddp):
         def hook() -> None:
@@ -99,15 +104,26 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
 
     def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
-        bucket.append_op(
-            centralized_low_precision_op(
-                self.process_group,
-                self.hierarchical,
-                self.average,
-                error_feedback=self.error_feedback,
-                on_finite=None if self.nonfinite == "ignore" else self._verdicts.record,
-            )
+        op = centralized_low_precision_op(
+            self.process_group,
+            self.hierarchical,
+            self.average,
+            error_feedback=self.error_feedback,
+            on_finite=None if self.nonfinite == "ignore" else self._verdicts.record,
         )
+        self._ops[bucket.name] = op
+        bucket.append_op(op)
+
+    def state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """With error feedback, this rank's residuals per bucket (``<bucket>.residual``, ``<bucket>.server_residual``);
+        they differ between ranks. ``None`` without error feedback (the ranks' states are identical)."""
+        if not self.error_feedback:
+            return None
+        return {f"{name}.{key}": t for name, op in self._ops.items() for key, t in op.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, op in self._ops.items():
+            op.load_state_dict({k[len(name) + 1 :]: t for k, t in state.items() if k.startswith(f"{name}.")})
 
 
 @GlobalAlgorithmRegistry.register("bytegrad", description="gradients averaged in 8 bits (MinMaxUInt8 scatter-gather)")
@@ -125,10 +141,11 @@ class ByteGradAlgorithm(Algorithm):
         nonfinite: what to do when a gradient holds NaN/Inf (8-bit compression spreads it over its whole chunk,
             identically on every rank): ``"propagate"`` (the default: the non-finite values stay in the averaged
             gradients of every rank, so ``torch.amp.GradScaler`` skips the step on every rank and lowers its
-            scale, as under DDP; error-feedback residuals restart from zero), ``"raise"``
+            scale, as under DDP), ``"raise"``
             (``FloatingPointError`` on every rank), ``"skip"`` (drop the step's gradients on every rank, so a
             plain optimizer skips the step; not for GradScaler, which needs the non-finite values to see the
-            overflow) or ``"ignore"`` (nothing, residuals included).
+            overflow) or ``"ignore"`` (nothing, residuals included). Except with ``"ignore"``, the error-feedback
+            residuals keep their values from before that step.
 
     Example:
         >>> from bagua.torch_api.algorithms import bytegrad
@@ -142,10 +159,8 @@ class ByteGradAlgorithm(Algorithm):
 
     def __post_init__(self) -> None:
         for name in ("hierarchical", "average", "error_feedback"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"ByteGradAlgorithm({name}=...) must be True or False, got {getattr(self, name)!r}")
-        if self.nonfinite not in NONFINITE_POLICIES:
-            raise ValueError(f"ByteGradAlgorithm(nonfinite={self.nonfinite!r}): choose one of {NONFINITE_POLICIES}")
+            check_bool("ByteGradAlgorithm", name, getattr(self, name))
+        check_choice("ByteGradAlgorithm", "nonfinite", self.nonfinite, NONFINITE_POLICIES)
 
     def reify(self, process_group: BaguaProcessGroup) -> ByteGradAlgorithmImpl:
         return ByteGradAlgorithmImpl(

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
 from bagua.torch_api import hierarchy
+from bagua.torch_api.algorithms._checks import check_bool, check_choice, check_int
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
 from bagua.torch_api.bucket import BaguaBucket
@@ -267,20 +268,23 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         n = _peer_count(self.process_group, hierarchical)
         return not (self.peer_selection_mode == "shift_one" and n > 1 and n % 2)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        # the ranks' weights differ (checkpointed per rank); the round number drives shift_one's pairing
+        return {"round": torch.tensor(self._round, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._round = int(state["round"])
+
 
 def _check_peer_mode(peer_selection_mode: str) -> None:
-    if peer_selection_mode not in PEER_SELECTION_MODES:
-        raise ValueError(
-            f"unknown peer_selection_mode {peer_selection_mode!r}; available: {', '.join(PEER_SELECTION_MODES)}"
-        )
+    check_choice("DecentralizedAlgorithm", "peer_selection_mode", peer_selection_mode, PEER_SELECTION_MODES)
 
 
-def _check_interval(communication_interval: int) -> None:
-    if not isinstance(communication_interval, int) or communication_interval < 1:
-        raise ValueError(
-            f"communication_interval must be an integer >= 1 (communicate every that many steps), "
-            f"got {communication_interval!r}"
-        )
+def _check_interval(
+    communication_interval: int, hierarchical: bool = True, owner: str = "DecentralizedAlgorithm"
+) -> None:
+    check_bool(owner, "hierarchical", hierarchical)
+    check_int(owner, "communication_interval", communication_interval, 1, "communicate every that many steps")
 
 
 @GlobalAlgorithmRegistry.register("decentralized", description="decentralized SGD: average weights with peers")
@@ -314,7 +318,7 @@ class DecentralizedAlgorithm(Algorithm):
 
     def __post_init__(self) -> None:
         _check_peer_mode(self.peer_selection_mode)
-        _check_interval(self.communication_interval)
+        _check_interval(self.communication_interval, self.hierarchical)
 
     def reify(self, process_group: BaguaProcessGroup) -> DecentralizedAlgorithmImpl:
         n = _peer_count(process_group, self.hierarchical)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from bagua.torch_api.algorithms._checks import check_bool
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.process_group import BaguaProcessGroup
@@ -48,6 +49,10 @@ class GradientAllReduceAlgorithm(Algorithm):
 
     hierarchical: bool = False
     average: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("hierarchical", "average"):
+            check_bool(type(self).__name__, name, getattr(self, name))
 
     def reify(self, process_group: BaguaProcessGroup) -> GradientAllReduceAlgorithmImpl:
         return GradientAllReduceAlgorithmImpl(process_group, hierarchical=self.hierarchical, average=self.average)

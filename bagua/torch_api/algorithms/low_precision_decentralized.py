@@ -166,6 +166,31 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
             hierarchy.broadcast_from_leaders(self.process_group, replicas.mine)
         _copy_weights_from(bucket, replicas.mine)
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The replicas ``x̂`` (this rank's and its neighbours'), per tensor name (``<name>.mine/left/right``)."""
+        self._finish_in_flight()
+        state = {}
+        for name, bucket in self._replica_buckets.items():
+            r, offset = self._replicas[name], 0
+            for t in bucket.tensors:
+                for field in ("mine", "left", "right"):
+                    state[f"{t.name}.{field}"] = getattr(r, field)[offset : offset + t.numel()].clone()
+                offset += t.numel()
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self._finish_in_flight()
+        for name, bucket in self._replica_buckets.items():
+            r, offset = self._replicas[name], 0
+            for t in bucket.tensors:
+                for field in ("mine", "left", "right"):
+                    key = f"{t.name}.{field}"
+                    if key not in state:
+                        raise ValueError(f"the low-precision decentralized state has no replica {key!r}; it was "
+                                         "saved from another model")
+                    getattr(r, field)[offset : offset + t.numel()].copy_(state[key].reshape(-1))
+                offset += t.numel()
+
     def init_forward_pre_hook(self, bagua_ddp) -> Callable[[Any], None]:
         def hook(inputs: Any) -> None:
             self._stepped.clear()
@@ -232,7 +257,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     communication_interval: int = 1
 
     def __post_init__(self) -> None:
-        _check_interval(self.communication_interval)
+        _check_interval(self.communication_interval, self.hierarchical, "LowPrecisionDecentralizedAlgorithm")
 
     def reify(self, process_group: BaguaProcessGroup) -> LowPrecisionDecentralizedAlgorithmImpl:
         return LowPrecisionDecentralizedAlgorithmImpl(

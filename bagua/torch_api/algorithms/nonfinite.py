@@ -58,10 +58,12 @@ class FiniteVerdicts:
         return taken
 
 
-def _reset_error_feedback(bagua_ddp: Any) -> None:
+def _undo_error_feedback(bagua_ddp: Any) -> None:
+    # the residuals of error feedback now hold the bad step's NaN: give them their values from before the step
+    # (every rank does, so the step leaves no trace, as if the batch had not been seen)
     for bucket in bagua_ddp.bagua_buckets:
         for op in bucket._ops:
-            getattr(op, "reset", lambda: None)()  # residuals of error feedback may hold NaN: start afresh
+            getattr(op, "rollback", getattr(op, "reset", lambda: None))()
 
 
 def check_finite_after_communication(
@@ -70,9 +72,10 @@ def check_finite_after_communication(
     """Apply ``policy`` when a bucket holds NaN or Inf after an 8-bit allreduce; return whether all was finite.
 
     All ranks hold the same result after the all-gather, so they all reach the same verdict here and act alike
-    (no rank is left waiting): ``"propagate"`` leaves the values for ``GradScaler`` and restarts the error-feedback
-    residuals, ``"raise"`` raises ``FloatingPointError``, ``"skip"`` drops every gradient of the step (a plain
-    optimizer then skips every parameter), ``"ignore"`` does nothing. ``known`` maps bucket names to a verdict
+    (no rank is left waiting): ``"propagate"`` leaves the values for ``GradScaler``, ``"raise"`` raises
+    ``FloatingPointError``, ``"skip"`` drops every gradient of the step (a plain optimizer then skips every
+    parameter), ``"ignore"`` does nothing. Except with ``"ignore"``, the error-feedback residuals get their values
+    from before the step back (the step leaves no trace in them). ``known`` maps bucket names to a verdict
     already reached on the communication thread (:class:`FiniteVerdicts`); the other buckets are checked here.
     """
     if policy == "ignore":
@@ -88,7 +91,7 @@ def check_finite_after_communication(
             bad.append(bucket.name)
     if not bad:
         return True
-    _reset_error_feedback(bagua_ddp)
+    _undo_error_feedback(bagua_ddp)
     if policy == "propagate":
         return False
     if policy == "raise":

@@ -52,6 +52,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
+from bagua.torch_api.algorithms._checks import check_bool, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.nonfinite import (
     FiniteVerdicts,
@@ -104,14 +105,12 @@ class QAdamOptimizer(torch.optim.Optimizer):
                 f"warmup_steps must be a positive integer (the number of full-precision Adam steps), got "
                 f"{warmup_steps!r}; for Adam without compression use torch.optim.Adam with gradient_allreduce"
             )
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not (len(betas) == 2 and 0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
-        if not eps >= 0.0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
+        for name, value, meaning in (("lr", lr, "the learning rate"), ("eps", eps, "added to the denominator"),
+                                     ("weight_decay", weight_decay, "the L2 penalty")):
+            check_number("QAdamOptimizer", name, value, 0.0, meaning)
+        if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(
+                not isinstance(b, bool) and isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"QAdamOptimizer(betas=...) must be two numbers in [0, 1), got {betas!r}")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
         self.warmup_steps = warmup_steps
@@ -334,6 +333,7 @@ class QAdamAlgorithm(Algorithm):
                 f"QAdamAlgorithm needs the model's QAdamOptimizer, got {type(self.q_adam_optimizer).__name__}; "
                 "create it with bagua.torch_api.algorithms.q_adam.QAdamOptimizer(model.parameters(), ...)"
             )
+        check_bool("QAdamAlgorithm", "hierarchical", self.hierarchical)
 
     def reify(self, process_group: BaguaProcessGroup) -> QAdamAlgorithmImpl:
         return QAdamAlgorithmImpl(process_group, self.q_adam_optimizer, hierarchical=self.hierarchical)

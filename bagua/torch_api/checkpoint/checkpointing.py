@@ -2,8 +2,15 @@
 
 Layout under ``checkpoints_path``::
 
-    iter_0000100/mp_rank_00_model_states.pt     {"iteration", "model", "optimizer", "lr_scheduler"}
+    iter_0000100/mp_rank_00_model_states.pt     {"iteration", "model", "optimizer", "lr_scheduler", "rank_states"}
+    iter_0000100/rank_{r}_of_{n}_states.pt       every rank's own state, for algorithms whose ranks diverge
     latest_checkpointed_iteration.txt           "100"
+
+Rank 0's file restores every rank when the ranks' states are identical (gradient allreduce, ByteGrad without
+error feedback, QAdam). When the wrapped model's algorithm keeps state that differs between ranks (decentralized
+weights, low-precision replicas, error-feedback residuals; ``AlgorithmImpl.state_dict()`` is not ``None``),
+every rank also writes its own file (:mod:`bagua.torch_api.checkpoint.rank_state`), and loading gives each rank
+its own back; it must then run on the wrapped model, with the same number of ranks.
 
 Every file is written to a temporary name in the same directory, flushed to disk, then renamed over the final
 name, and the tracker is updated only after the checkpoint itself is complete: a crash while saving leaves the
@@ -36,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api.checkpoint.experts import load_experts, save_experts
+from bagua.torch_api.checkpoint.rank_state import collect_rank_state, engine_of, rank_state_name, restore_rank_state
 
 __all__ = ["save_checkpoint", "load_checkpoint", "get_checkpoint_name", "TRACKER_FILENAME", "STALE_TMP_AGE_S"]
 
@@ -174,15 +182,24 @@ def save_checkpoint(
     Example:
         >>> save_checkpoint(100, "ckpt", model, optimizer)  # doctest: +SKIP
     """
-    if save_experts(iteration, checkpoints_path, model, optimizer):  # MoE: every rank writes its experts first
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    own = collect_rank_state(model, _unwrap(model), optimizer, rank, world_size)
+    if own is not None:  # ranks that diverge: every rank writes its own state first
+        path = rank_state_name(checkpoints_path, iteration, rank, world_size)
+        _atomic_write(path, lambda f: torch.save(own, f))
+    if save_experts(iteration, checkpoints_path, model, optimizer) or own is not None:  # MoE: experts per rank
         _barrier()
     if _is_writer():
         _remove_stale_tmp_files_under(checkpoints_path)
+        engine = engine_of(model)
         state = {
             "iteration": iteration,
             "model": _unwrap(model).state_dict(),
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
             "lr_scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
+            "rank_states": world_size if own is not None else 0,
+            "rank_states_of": own["algorithm"] if own is not None else "",
+            "bagua_train_step_counter": engine.bagua_train_step_counter if engine is not None else -1,
         }
         _atomic_write(get_checkpoint_name(checkpoints_path, iteration), lambda f: torch.save(state, f))
         tracker = os.path.join(checkpoints_path, TRACKER_FILENAME)
@@ -308,16 +325,36 @@ def load_checkpoint(
         return 0
     release = target == _RELEASE
     iteration = 0 if release else target
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    own_path = rank_state_name(checkpoints_path, iteration, rank, world_size, release)
+    lacking = _ranks(_all_gather_ints(int(not os.path.isfile(own_path))), lambda v: v == 1) if (
+        dist.is_initialized() and world_size > 1) else ([] if os.path.isfile(own_path) else [0])
     error: Optional[BaseException] = None
     try:
         state = torch.load(get_checkpoint_name(checkpoints_path, iteration, release), map_location="cpu",
                            weights_only=True)
+        saved_ranks = int(state.get("rank_states") or 0)
+        if saved_ranks and saved_ranks != world_size:
+            raise ValueError(
+                f"load_checkpoint: iteration {target} holds per-rank states of {saved_ranks} ranks "
+                f"({state.get('rank_states_of')}: their weights or algorithm states differ), but this job has "
+                f"{world_size}; resume with {saved_ranks} ranks")
+        if saved_ranks and lacking:
+            names = [os.path.basename(rank_state_name(checkpoints_path, iteration, r, world_size)) for r in lacking]
+            raise FileNotFoundError(
+                f"load_checkpoint: iteration {target} holds per-rank states, but rank(s) {lacking} lack their file "
+                f"{names} under {os.path.dirname(own_path)}; copy them there, or resume from another iteration")
         _unwrap(model).load_state_dict(state["model"], strict=strict)
         if optimizer is not None and state.get("optimizer") is not None:
             optimizer.load_state_dict(state["optimizer"])
         if lr_scheduler is not None and state.get("lr_scheduler") is not None:
             lr_scheduler.load_state_dict(state["lr_scheduler"])
         load_experts(iteration, checkpoints_path, model, optimizer, release)  # MoE: this rank's experts, optimizer
+        if saved_ranks:  # this rank's own weights, optimizer and algorithm state
+            restore_rank_state(own_path, model, _unwrap(model), optimizer, rank, world_size, strict)
+        engine = engine_of(model)
+        if engine is not None and int(state.get("bagua_train_step_counter", -1)) >= 0:
+            engine.bagua_train_step_counter = int(state["bagua_train_step_counter"])
     except Exception as caught:  # noqa: BLE001 - reported to every rank below, then re-raised here
         error = caught
         if not (dist.is_initialized() and dist.get_world_size() > 1):

@@ -1,0 +1,69 @@
+"""Wrapping the same model again (autotune does, users do) leaks neither threads nor file descriptors (issue 20).
+
+After a warm-up wrap and step, 20 further ``with_bagua`` calls, each followed by a training step, must leave the
+process's thread count (``/proc/self/task``) and open file descriptors (``/proc/self/fd``) where they were, within
+SLACK: the engine reuses the private groups it created for the module, and a re-wrap stops the previous engine's
+communication thread (and the async averaging thread).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.harness import run_workers
+from tests.torch_api.models import batch, make_model
+
+WRAPS = 20
+SLACK = 2  # a thread or descriptor the runtime may open lazily (e.g. an intra-op pool), never one per wrap
+
+
+def _counts():
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def _worker(rank, world_size, name):
+    from bagua.torch_api.algorithms import Algorithm
+
+    model = make_model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    kwargs = {"async": {"sync_interval_ms": 5}, "gradient_allreduce": {}}.get(name, {"hierarchical": False})
+
+    def wrap_and_step(step):
+        model.with_bagua([opt], Algorithm.init(name, **kwargs))
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    wrap_and_step(0)  # warm-up: private groups, the communication thread, torch's own pools
+    before = _counts()
+    for step in range(1, WRAPS + 1):
+        wrap_and_step(step)
+    after = _counts()
+    if name == "async":
+        model.bagua_algorithm.abort(model)
+    return before, after
+
+
+NAMES = ["async", "gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized"]
+
+
+def _worker_all(rank, world_size):
+    return {name: _worker(rank, world_size, name) for name in NAMES}  # one job: the test stays quick
+
+
+@pytest.fixture(scope="module")
+def counts():
+    return run_workers(_worker_all, 2, timeout=150)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_rewrapping_keeps_threads_and_descriptors_flat(counts, name):
+    for rank, by_name in enumerate(counts):
+        (threads0, fds0), (threads1, fds1) = by_name[name]
+        assert threads0 > 1 and fds0 > 3  # the counts are read (the engine's threads and sockets exist)
+        assert threads1 - threads0 <= SLACK, f"{name}: rank {rank} threads {threads0} -> {threads1} after {WRAPS} wraps"
+        assert fds1 - fds0 <= SLACK, f"{name}: rank {rank} open fds {fds0} -> {fds1} after {WRAPS} wraps"
