@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from typing import Any, Optional
 
 import torch
@@ -97,19 +96,10 @@ def _layout(model: torch.nn.Module) -> Optional[tuple[int, int]]:
 
 
 def _atomic_save(obj: Any, path: str) -> None:
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write ``obj`` to ``path`` atomically, with the temp-file naming and clean-up of the main checkpoint file."""
+    from bagua.torch_api.checkpoint.checkpointing import _atomic_write  # checkpointing imports this module
+
+    _atomic_write(path, lambda f: torch.save(obj, f))
 
 
 def save_experts(
