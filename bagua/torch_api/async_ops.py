@@ -126,7 +126,9 @@ class AsyncModelAverageOp:
     the same round and :meth:`get_status` turns False, until :meth:`reset` on every rank.
 
     Args:
-        group: the group to average over (give it a group of its own when the op runs on a background thread).
+        group: the group to average over; the op communicates on a torch group of its own over the same ranks
+            (``group.auxiliary_group``, created now, collectively), so a round running on another thread never
+            interleaves with the group's other collectives.
         peer_selection_mode: ``"all"`` (the only mode).
     """
 
@@ -135,6 +137,7 @@ class AsyncModelAverageOp:
             raise ValueError(f"asynchronous model averaging supports peer_selection_mode='all' only, "
                              f"got {peer_selection_mode!r}")
         self.group = group
+        self._torch_group = group.auxiliary_group("async-averaging", env.get_comm_timeout_s())
         self.lock = WeightLock()
         self._buffers: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self._abort = False  # this rank asked to stop
@@ -143,8 +146,7 @@ class AsyncModelAverageOp:
     def __call__(self, bucket, flat: torch.Tensor) -> None:
         if self._stopped:
             return
-        torch_group = self.group.get_global_communicator().group
-        nranks = len(self.group.ranks)
+        torch_group, nranks = self._torch_group, len(self.group.ranks)
         if not negotiate(not self._abort, bucket.device, torch_group, nranks):
             self._stopped = True
             return

@@ -122,6 +122,32 @@ class BaguaTensor:
             view = torch.empty(0, dtype=self.dtype, device=self.device).set_(storage, storage_offset, self.shape)
         self.bagua_setter_closure(view)
 
+    def is_bagua_tensor(self) -> bool:
+        """True (the original's check, for code that holds either kind)."""
+        return True
+
+    def bagua_backend_tensor(self) -> "BaguaTensor":
+        """This object (the original's backend tensor)."""
+        return self
+
+    def bagua_mark_communication_ready(self) -> None:
+        """Mark this tensor ready on the engine of its module; a bucket whose tensors are all ready is launched.
+
+        On CUDA the engine orders the bucket's communication after the current stream's work, as the original's
+        ready event did.
+        """
+        engine = _engines.get(self.module_name) if self.module_name is not None else None
+        if engine is None:
+            raise RuntimeError(
+                f"tensor {self.name!r}: no wrapped module named {self.module_name!r}; register it with "
+                "ensure_bagua_tensor(name, module_name=model.bagua_module_name) after with_bagua(...)"
+            )
+        engine.mark_communication_ready(self.name)
+
+    def bagua_mark_communication_ready_without_synchronization(self) -> None:
+        """Same as :meth:`bagua_mark_communication_ready` (the engine records no per-tensor events)."""
+        self.bagua_mark_communication_ready()
+
     def numel(self) -> int:
         """Number of elements of the effective tensor."""
         return self.param.numel()
@@ -241,9 +267,9 @@ class TensorMethods:
 
     def bagua_ensure_grad(self: torch.Tensor) -> torch.Tensor:
         """Create a zero gradient if there is none; return this tensor (a leaf that requires grad)."""
+        if not (self.is_leaf and self.requires_grad):
+            raise ValueError("bagua_ensure_grad() needs a leaf tensor that requires grad, such as a Parameter")
         if self.grad is None:
-            if not (self.is_leaf and self.requires_grad):
-                raise ValueError("bagua_ensure_grad() needs a leaf tensor that requires grad, such as a Parameter")
             with torch.no_grad():
                 self.grad = torch.zeros_like(self, memory_format=torch.contiguous_format)
         return self
@@ -264,23 +290,12 @@ class TensorMethods:
         as_bagua_tensor(self).bagua_set_storage(storage, storage_offset)
 
     def bagua_mark_communication_ready(self: torch.Tensor) -> None:
-        """Mark this tensor ready on the engine of its module; a bucket whose tensors are all ready is launched.
-
-        On CUDA the engine orders the bucket's communication after the current stream's work, as the original's
-        ready event did.
-        """
-        proxy = as_bagua_tensor(self)
-        engine = _engines.get(proxy.module_name) if proxy.module_name is not None else None
-        if engine is None:
-            raise RuntimeError(
-                f"tensor {proxy.name!r}: no wrapped module named {proxy.module_name!r}; register it with "
-                "ensure_bagua_tensor(name, module_name=model.bagua_module_name) after with_bagua(...)"
-            )
-        engine.mark_communication_ready(proxy.name)
+        """Mark this tensor ready on the engine of its module (see :meth:`BaguaTensor.bagua_mark_communication_ready`)."""
+        as_bagua_tensor(self).bagua_mark_communication_ready()
 
     def bagua_mark_communication_ready_without_synchronization(self: torch.Tensor) -> None:
         """Same as :meth:`bagua_mark_communication_ready` (the engine records no per-tensor events)."""
-        TensorMethods.bagua_mark_communication_ready(self)
+        as_bagua_tensor(self).bagua_mark_communication_ready()
 
 
 #: the names :func:`bagua.torch_api.distributed._install` puts on ``torch.Tensor``
