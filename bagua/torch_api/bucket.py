@@ -24,6 +24,7 @@ from bagua.torch_api import communication as comm
 from bagua.torch_api import hierarchy
 from bagua.torch_api import multistream
 from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.async_ops import AsyncModelAverageOp
 from bagua.torch_api.decentralized_ops import LowPrecisionDecentralizedOp, Replicas, decentralized_op
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, as_bagua_tensor
@@ -284,50 +285,30 @@ class BaguaBucket:
             return self.append_op(centralized_low_precision_op(group, hierarchical, average))
         raise ValueError(f"unknown compression {compression!r}; available: None, 'MinMaxUInt8'")
 
+    # The original's decentralized appenders; their ops live in decentralized_ops.py / async_ops.py, shared with the
+    # built-in algorithms (see docs/writing_algorithms.md).
+
     def append_decentralized_synchronous_op(
-        self,
-        peer_weight: torch.Tensor,
-        hierarchical: bool = True,
-        peer_selection_mode: str = "all",
+        self, peer_weight: torch.Tensor, hierarchical: bool = True, peer_selection_mode: str = "all",
         group: Optional[BaguaProcessGroup] = None,
     ):
-        """Append decentralized SGD's exchange: ``peer_weight = W(weights)``, the peer average (``all``,
-        ``shift_one`` or ``ring``; see :func:`~bagua.torch_api.decentralized_ops.decentralized_op`).
-
-        Args:
-            peer_weight: a flat tensor of the bucket's size (``bucket.flattened_tensor()``), kept as
-                ``bucket._peer_weight``.
-
-        Returns:
-            The op; after waiting for it, ``op.copy_back_peer_weight(bucket)`` overwrites the weights with
-            ``peer_weight``.
-        """
+        """Append ``peer_weight = W(weights)`` (the peer average of decentralized SGD), ``peer_weight`` a flat tensor
+        of the bucket's size, kept as ``bucket._peer_weight``. Returns the op; once it has run,
+        ``op.copy_back_peer_weight(bucket)`` overwrites the weights with ``peer_weight``."""
         op = decentralized_op(group or comm._get_default_group(), peer_weight, hierarchical, peer_selection_mode)
         self._peer_weight = peer_weight
         self.append_op(op)
         return op
 
     def append_low_precision_decentralized_synchronous_op(
-        self,
-        weight: torch.Tensor,
-        left_peer_weight: torch.Tensor,
-        right_peer_weight: torch.Tensor,
-        hierarchical: bool = True,
-        compression: str = "MinMaxUInt8",
-        group: Optional[BaguaProcessGroup] = None,
+        self, weight: torch.Tensor, left_peer_weight: torch.Tensor, right_peer_weight: torch.Tensor,
+        hierarchical: bool = True, compression: str = "MinMaxUInt8", group: Optional[BaguaProcessGroup] = None,
     ) -> LowPrecisionDecentralizedOp:
-        """Append one round of low-precision decentralized SGD on a ring (see
-        :class:`~bagua.torch_api.decentralized_ops.LowPrecisionDecentralizedOp`); the round ends with the weights
-        equal to ``weight``.
+        """Append one round of low-precision decentralized SGD on a ring; it ends with the weights equal to ``weight``.
 
-        Args:
-            weight, left_peer_weight, right_peer_weight: the replicas x̂_i, x̂_l, x̂_r: flat float32 tensors of the
-                bucket's size, equal on every rank at the start (``bucket.flattened_tensor().float()``); updated in
-                place and kept as ``bucket._weight``, ``_left_peer_weight``, ``_right_peer_weight``.
-            compression: ``"MinMaxUInt8"`` (the only one).
-
-        Returns:
-            The op.
+        ``weight``, ``left_peer_weight``, ``right_peer_weight`` are the replicas x̂_i, x̂_l, x̂_r: flat float32
+        tensors of the bucket's size, equal on every rank at the start, updated in place and kept as
+        ``bucket._weight``, ``_left_peer_weight``, ``_right_peer_weight``. Returns the op.
         """
         if compression != "MinMaxUInt8":
             raise ValueError(f"unknown compression {compression!r}; available: 'MinMaxUInt8'")
@@ -337,20 +318,11 @@ class BaguaBucket:
         self.append_op(op)
         return op
 
-    def append_asynchronous_model_average_op(
-        self, peer_selection_mode: str = "all", group: Optional[BaguaProcessGroup] = None
-    ):
-        """Append one round of asynchronous model averaging (see
-        :class:`~bagua.torch_api.async_ops.AsyncModelAverageOp`): ``x += mean(s) - s`` for a snapshot ``s``.
-
-        Run it from a background thread (mark the bucket ready and wait there); the training thread holds
-        ``op.lock_weight()`` while the weights must not change and ``op.unlock_weight()`` after.
-
-        Returns:
-            The op, with ``lock_weight``, ``unlock_weight``, ``abort``, ``reset`` and ``get_status``.
-        """
-        from bagua.torch_api.async_ops import AsyncModelAverageOp  # it uses this module's bucket type
-
+    def append_asynchronous_model_average_op(self, peer_selection_mode: str = "all",
+                                             group: Optional[BaguaProcessGroup] = None):
+        """Append one round of asynchronous model averaging, ``x += mean(s) - s`` for a snapshot ``s``, meant to be
+        run from a thread of the algorithm. Returns the op, with ``lock_weight`` / ``unlock_weight`` (held by the
+        training thread while the weights must not change), ``abort``, ``reset`` and ``get_status``."""
         op = AsyncModelAverageOp(group or comm._get_default_group(), peer_selection_mode)
         self.append_op(op)
         return op
