@@ -265,6 +265,11 @@ class UserAsyncImpl(AlgorithmImpl):
         if self.thread is not None:
             self.thread.join(60)
 
+    def resume(self, bagua_ddp):
+        self.op.reset()
+        self.thread = threading.Thread(target=self._loop, args=(bagua_ddp,), daemon=True)
+        self.thread.start()
+
 
 @dataclass
 class UserAsync(Algorithm):
@@ -376,26 +381,33 @@ def test_user_async_rounds_equal_the_builtin_rounds():
 
 
 def _worker_async_thread(rank, world_size):
+    """Train with the user's thread averaging meanwhile; stop it; make the ranks' weights differ; resume it while
+    training is idle: one round then gives every rank the mean, computed here with all_gather."""
     model = _train(rank, UserAsync(sync_interval_ms=1))
     impl = model.bagua_algorithm
+    trained_rounds = impl.rounds
+    impl.abort()  # every rank's op stops at the same round (the first rank to abort decides it)
+    assert not impl.thread.is_alive() and not impl.op.get_status()
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.mul_(1 + 0.5 * rank).add_(0.1 * (rank + i))
     expected = []
     for p in model.parameters():
         gathered = [torch.empty_like(p) for _ in range(world_size)]
-        dist.all_gather(gathered, p.detach().contiguous())
+        dist.all_gather(gathered, p.detach().contiguous())  # also: every rank has stopped its thread
         expected.append(sum(gathered[1:], gathered[0]) / world_size)
+    impl.resume(model.bagua_ddp)
     deadline = time.monotonic() + 60
     start = impl.rounds
-    while impl.rounds < start + 2:  # a round that began after the gather (training is idle now)
+    while impl.rounds < start + 1:
         assert time.monotonic() < deadline, "no averaging round within 60 s"
         time.sleep(0.005)
-    dist.barrier()  # every rank has seen its rounds before one of them stops them all
     impl.abort()
-    assert not impl.thread.is_alive() and not impl.op.get_status()
-    return expected, params_of(model), start
+    return expected, params_of(model), trained_rounds
 
 
 def test_user_async_thread_averages_while_idle():
-    for expected, got, rounds_while_training in run_workers(_worker_async_thread, 2):
+    for expected, got, trained_rounds in run_workers(_worker_async_thread, 2):
         assert_close(got, expected, rtol=0, atol=1e-6)
 
 
