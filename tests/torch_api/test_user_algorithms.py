@@ -305,6 +305,9 @@ def _worker_pair(rank, world_size, user, builtin):
     reference = _train(rank, builtin)
     impl = model.bagua_algorithm
     assert model.bagua_ddp.bagua_algorithm is impl and isinstance(impl, AlgorithmImpl)
+    assert model.bagua_ddp.algorithm is user  # the hyper-parameters stay apart from their implementation
+    assert [n for n, _ in model.bagua_build_params()] == [n for n, _ in model.named_parameters()]
+    assert model.bagua_module_name == model.bagua_ddp.bagua_module_name
     return params_of(model), params_of(reference), getattr(impl, "inits", None)
 
 
@@ -494,6 +497,11 @@ def test_bucket_accepts_registered_tensors_and_flattens_them():
     assert torch.equal(params[2].detach(), torch.tensor([20.0, 20.0]))  # the parameters are views of the bucket
     with pytest.raises(TypeError, match="ensure_bagua_tensor"):
         BaguaBucket([torch.zeros(2)], name="1")
+
+
+def test_bagua_build_params_needs_a_wrapped_module():
+    with pytest.raises(RuntimeError, match="with_bagua"):
+        torch.nn.Linear(2, 2).bagua_build_params()
 
 
 def test_mark_ready_without_a_wrapped_module_names_the_fix():
