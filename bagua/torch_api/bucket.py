@@ -24,8 +24,10 @@ from bagua.torch_api import communication as comm
 from bagua.torch_api import hierarchy
 from bagua.torch_api import multistream
 from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.async_ops import AsyncModelAverageOp
+from bagua.torch_api.decentralized_ops import LowPrecisionDecentralizedOp, Replicas, decentralized_op
 from bagua.torch_api.process_group import BaguaProcessGroup
-from bagua.torch_api.tensor import BaguaTensor
+from bagua.torch_api.tensor import BaguaTensor, as_bagua_tensor
 
 __all__ = [
     "AsyncHandle",
@@ -85,7 +87,8 @@ class BaguaBucket:
     """A group of effective tensors communicated together.
 
     Args:
-        tensors: the bucket's tensors, all of one floating dtype and device.
+        tensors: the bucket's tensors (:class:`BaguaTensor` s, or tensors registered with
+            ``ensure_bagua_tensor``), all of one floating dtype and device.
         name: the bucket's name (unique within a model).
         flatten: allocate one flat buffer and make every effective tensor a view of it.
         alignment: pad the flat buffer with zeros to a multiple of this many elements (e.g. the world size for
@@ -98,6 +101,7 @@ class BaguaBucket:
     def __init__(self, tensors: Sequence[BaguaTensor], name: str, flatten: bool = True, alignment: int = 1) -> None:
         if not tensors:
             raise ValueError(f"bucket {name!r} needs at least one tensor")
+        tensors = [as_bagua_tensor(t) for t in tensors]
         if alignment < 1:
             raise ValueError(f"bucket alignment must be >= 1, got {alignment}")
         dtypes = {t.dtype for t in tensors}
@@ -130,6 +134,12 @@ class BaguaBucket:
         self._buffer: Optional[torch.Tensor] = None
         # index -> a fresh effective tensor not yet copied into the flat buffer (see defer_restore)
         self._pending: dict[int, torch.Tensor] = {}
+        # what the original's decentralized ops left on the bucket (its tests read them to check the maths):
+        # the peer average (decentralized), the replicas x̂_i, x̂_l, x̂_r (low-precision decentralized)
+        self._peer_weight: Optional[torch.Tensor] = None
+        self._weight: Optional[torch.Tensor] = None
+        self._left_peer_weight: Optional[torch.Tensor] = None
+        self._right_peer_weight: Optional[torch.Tensor] = None
         if flatten:
             self._flatten_()
 
@@ -138,7 +148,7 @@ class BaguaBucket:
     def _flatten_(self) -> None:
         self.flat = torch.zeros(self.numel + self.padding, dtype=self.dtype, device=self.device)
         for t, off in zip(self.tensors, self._offsets):
-            t.bagua_set_storage(self.flat[off : off + t.numel()].view(t.shape))
+            t.move_into(self.flat[off : off + t.numel()].view(t.shape))
 
     def view_of(self, index: int) -> torch.Tensor:
         """The slice of the flat buffer that belongs to tensor ``index``."""
@@ -163,7 +173,7 @@ class BaguaBucket:
     def restore_view(self, index: int) -> None:
         """Make tensor ``index``'s effective tensor the flat buffer's view again, copying its current value in."""
         self._pending.pop(index, None)
-        self.tensors[index].bagua_set_storage(self.view_of(index))
+        self.tensors[index].move_into(self.view_of(index))
 
     def accepts_pending(self) -> bool:
         """Whether the bucket's first operation reads fresh tensors in place (so they need no copy first)."""
@@ -274,6 +284,48 @@ class BaguaBucket:
 
             return self.append_op(centralized_low_precision_op(group, hierarchical, average))
         raise ValueError(f"unknown compression {compression!r}; available: None, 'MinMaxUInt8'")
+
+    # The original's decentralized appenders; their ops live in decentralized_ops.py / async_ops.py, shared with the
+    # built-in algorithms (see docs/writing_algorithms.md).
+
+    def append_decentralized_synchronous_op(
+        self, peer_weight: torch.Tensor, hierarchical: bool = True, peer_selection_mode: str = "all",
+        group: Optional[BaguaProcessGroup] = None,
+    ):
+        """Append ``peer_weight = W(weights)`` (the peer average of decentralized SGD), ``peer_weight`` a flat tensor
+        of the bucket's size, kept as ``bucket._peer_weight``. Returns the op; once it has run,
+        ``op.copy_back_peer_weight(bucket)`` overwrites the weights with ``peer_weight``."""
+        op = decentralized_op(group or comm._get_default_group(), peer_weight, hierarchical, peer_selection_mode)
+        self._peer_weight = peer_weight
+        self.append_op(op)
+        return op
+
+    def append_low_precision_decentralized_synchronous_op(
+        self, weight: torch.Tensor, left_peer_weight: torch.Tensor, right_peer_weight: torch.Tensor,
+        hierarchical: bool = True, compression: str = "MinMaxUInt8", group: Optional[BaguaProcessGroup] = None,
+    ) -> LowPrecisionDecentralizedOp:
+        """Append one round of low-precision decentralized SGD on a ring; it ends with the weights equal to ``weight``.
+
+        ``weight``, ``left_peer_weight``, ``right_peer_weight`` are the replicas x̂_i, x̂_l, x̂_r: flat float32
+        tensors of the bucket's size, equal on every rank at the start, updated in place and kept as
+        ``bucket._weight``, ``_left_peer_weight``, ``_right_peer_weight``. Returns the op.
+        """
+        if compression != "MinMaxUInt8":
+            raise ValueError(f"unknown compression {compression!r}; available: 'MinMaxUInt8'")
+        replicas = Replicas(weight, left_peer_weight, right_peer_weight)
+        op = LowPrecisionDecentralizedOp(group or comm._get_default_group(), replicas, hierarchical)
+        self._weight, self._left_peer_weight, self._right_peer_weight = weight, left_peer_weight, right_peer_weight
+        self.append_op(op)
+        return op
+
+    def append_asynchronous_model_average_op(self, peer_selection_mode: str = "all",
+                                             group: Optional[BaguaProcessGroup] = None):
+        """Append one round of asynchronous model averaging, ``x += mean(s) - s`` for a snapshot ``s``, meant to be
+        run from a thread of the algorithm. Returns the op, with ``lock_weight`` / ``unlock_weight`` (held by the
+        training thread while the weights must not change), ``abort``, ``reset`` and ``get_status``."""
+        op = AsyncModelAverageOp(group or comm._get_default_group(), peer_selection_mode)
+        self.append_op(op)
+        return op
 
     def async_launcher(self) -> Optional[Callable[["BaguaBucket", torch.Tensor], AsyncHandle]]:
         """The bucket's ``launch_async`` when its whole work is one collective on its flat buffer, else ``None``."""

@@ -1,9 +1,13 @@
 """``BaguaModule``: the ``with_bagua`` method and its properties on every ``torch.nn.Module``.
 
-This is Bagua's one compatibility patch: the original Bagua added ``with_bagua`` to ``torch.nn.Module``, and
-existing scripts call ``model.with_bagua([optimizer], algorithm)``, so importing ``bagua.torch_api`` installs the
-methods of :class:`BaguaModule` on ``torch.nn.Module`` (nothing else of torch is patched). The module is not
-wrapped: ``with_bagua`` returns the same object, whose forward is untouched; hooks do all the work.
+This is the one place where Bagua patches torch, for compatibility with the original: it added ``with_bagua`` to
+``torch.nn.Module``, and existing scripts call ``model.with_bagua([optimizer], algorithm)``, so importing
+``bagua.torch_api`` installs the methods of :class:`BaguaModule` on ``torch.nn.Module``. User-written algorithms
+of the original call a few methods on parameters (``param.bagua_ensure_grad().ensure_bagua_tensor(...)``,
+``bagua_mark_communication_ready()``; see :class:`bagua.torch_api.tensor.TensorMethods`), so the same
+:func:`_install` puts those on ``torch.Tensor``; Bagua's own engine and algorithms never call them. Nothing else of
+torch is patched. The module is not wrapped: ``with_bagua`` returns the same object, whose forward is untouched;
+hooks do all the work.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from bagua.torch_api import communication as comm
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.tensor import TENSOR_METHODS, TensorMethods
 
 if TYPE_CHECKING:
     from bagua.torch_api.data_parallel.bagua_distributed import BaguaDistributedDataParallel
@@ -108,6 +113,13 @@ class BaguaModule:
         ddp = _engine(self)
         return ddp.impl if ddp is not None else None
 
+    def bagua_build_params(self: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:  # type: ignore[misc]
+        """The parameters Bagua communicates, as ``(qualified name, parameter)`` (needs ``with_bagua`` first)."""
+        ddp = _engine(self)
+        if ddp is None:
+            raise RuntimeError("bagua_build_params() needs a module wrapped with with_bagua(...)")
+        return ddp.bagua_build_params()
+
     @property
     def bagua_optimizers(self: torch.nn.Module) -> list[torch.optim.Optimizer]:  # type: ignore[misc]
         """The optimizers given to ``with_bagua`` (empty before)."""
@@ -128,11 +140,15 @@ def _engine(module: torch.nn.Module) -> "Optional[BaguaDistributedDataParallel]"
 
 
 def _install() -> None:
-    """Install :class:`BaguaModule`'s methods on ``torch.nn.Module`` (the documented compatibility patch)."""
-    for name in ("with_bagua", "no_sync", "bagua_module_name", "bagua_algorithm", "bagua_optimizers", "bagua_buckets"):
+    """Install :class:`BaguaModule`'s methods on ``torch.nn.Module`` and the original's tensor methods on
+    ``torch.Tensor`` (the documented compatibility patch)."""
+    for name in ("with_bagua", "no_sync", "bagua_module_name", "bagua_algorithm", "bagua_optimizers", "bagua_buckets",
+                 "bagua_build_params"):
         if name == "no_sync" and hasattr(torch.nn.Module, "no_sync"):
             continue
         setattr(torch.nn.Module, name, BaguaModule.__dict__[name])
+    for name in TENSOR_METHODS:
+        setattr(torch.Tensor, name, TensorMethods.__dict__[name])
 
 
 _install()

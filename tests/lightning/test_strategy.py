@@ -164,7 +164,7 @@ def _run_algorithm(rank, world_size, name):
     class Inspect(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             impl = trainer.strategy.model.bagua_algorithm
-            seen.setdefault("algorithm", repr(trainer.strategy.model.inner.bagua_algorithm))
+            seen.setdefault("algorithm", repr(trainer.strategy.model.inner.algorithm))
             seen.setdefault("averaging", []).append(bool(getattr(impl, "is_averaging", lambda: False)()))
 
     threads_before = _threads()

@@ -97,9 +97,9 @@ def _train_bagua(rank, mode, interval, hierarchical, flatten, steps=STEPS):
 
 
 def _worker_parity(rank, world_size, local_size, configs):
-    from bagua.torch_api.algorithms import decentralized
+    from bagua.torch_api import decentralized_ops
 
-    decentralized.P2P_SEGMENT = 256  # every exchange travels in several interleaved pieces
+    decentralized_ops.P2P_SEGMENT = 256  # every exchange travels in several interleaved pieces
     out = []
     for mode, interval, hierarchical, flatten, _tol in configs:
         expected = _train_reference(rank, world_size, local_size, mode, interval, hierarchical)

@@ -96,10 +96,10 @@ def _train_reference(rank, world_size, local_size, layout, interval, hierarchica
 def _worker_parity(rank, world_size, local_size, configs):
     import os
 
-    from bagua.torch_api.algorithms import decentralized
+    from bagua.torch_api import decentralized_ops
     from bagua.torch_api.algorithms.decentralized import LowPrecisionDecentralizedAlgorithm
 
-    decentralized.P2P_SEGMENT = 256  # every exchange travels in several interleaved pieces
+    decentralized_ops.P2P_SEGMENT = 256  # every exchange travels in several interleaved pieces
 
     out = []
     for bucket_size, interval, hierarchical, flatten in configs:

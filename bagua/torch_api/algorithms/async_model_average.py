@@ -41,12 +41,8 @@ from bagua.torch_api import communication as comm
 from bagua.torch_api import env
 from bagua.torch_api.algorithms._checks import check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from bagua.torch_api.algorithms.decentralized import (
-    _copy_weights_from,
-    _copy_weights_into,
-    _one_bucket_per_dtype,
-    _weight_tensors,
-)
+from bagua.torch_api.algorithms.decentralized import _one_bucket_per_dtype, _weight_tensors
+from bagua.torch_api.async_ops import WeightLock, average_round, flat_like, negotiate
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
@@ -56,59 +52,8 @@ __all__ = ["AsyncModelAverageAlgorithm", "AsyncModelAverageAlgorithmImpl"]
 logger = logging.getLogger(__name__)
 
 _NEW, _RUNNING, _STOPPED = "new", "running", "stopped"
-_POLL_S = 0.5  # a waiting round re-checks the lock at least this often
-
-
-class _WeightLock:
-    """The lock between the training thread and the averaging thread; a waiting round goes first."""
-
-    def __init__(self) -> None:
-        self._cv = threading.Condition()
-        self._training = False  # held by the training thread (forward to optimizer step)
-        self._averaging = False  # held by the averaging thread
-        self._round_waiting = False
-
-    def acquire_for_training(self, timeout: float) -> None:
-        with self._cv:
-            if not self._cv.wait_for(lambda: not (self._averaging or self._round_waiting), timeout):
-                raise RuntimeError(
-                    f"rank {dist.get_rank()}: the async averaging thread kept the weights for more than "
-                    f"{timeout:.0f} s; set BAGUA_COMM_TIMEOUT_S to change the limit"
-                )
-            self._training = True
-
-    def release_for_training(self) -> None:
-        with self._cv:
-            self._training = False
-            self._cv.notify_all()
-
-    def acquire_for_round(self) -> None:
-        """Wait until training releases the weights (at the end of its step, or in ``abort``).
-
-        A round never gives up here: its peers are in the same round and expect its next collective.
-        """
-        with self._cv:
-            self._round_waiting = True
-            try:
-                while self._training:
-                    self._cv.wait(_POLL_S)
-                self._averaging = True
-            finally:
-                self._round_waiting = False
-
-    def release_for_round(self) -> None:
-        with self._cv:
-            self._averaging = False
-            self._cv.notify_all()
-
-
-def _flat_like(bucket: BaguaBucket) -> torch.Tensor:
-    return torch.empty(bucket.numel + bucket.padding, dtype=bucket.dtype, device=bucket.device)
-
-
-def _sync(tensor: torch.Tensor) -> None:
-    if tensor.is_cuda:
-        torch.cuda.current_stream(tensor.device).synchronize()
+# The round and the lock live in bagua.torch_api.async_ops (shared with BaguaBucket's op appender).
+_WeightLock = WeightLock
 
 
 class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
@@ -163,7 +108,7 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
             return super().tensors_to_buckets(tensors, do_flatten)
         buckets = _one_bucket_per_dtype(tensors, do_flatten)
         # per bucket, the round's snapshot and average, allocated once
-        self._round_buffers = [(_flat_like(b), _flat_like(b)) for b in buckets]
+        self._round_buffers = [(flat_like(b), flat_like(b)) for b in buckets]
         self._buckets = buckets
         return buckets
 
@@ -321,36 +266,11 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
 
     def _negotiate(self) -> bool:
         """True while every rank keeps running: a MIN-allreduce of each rank's "keep running" flag."""
-        device = self._device()
-        flag = torch.tensor([0 if self._stop.is_set() else 1], dtype=torch.int32, device=device)
-        if len(self._ranks) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self._thread_group)
-        return bool(flag.item())
+        return negotiate(not self._stop.is_set(), self._device(), self._thread_group, len(self._ranks))
 
     def _average_once(self) -> None:
         """One round: ``s = x``; ``a = mean over ranks of s``; ``x += a - s``."""
-        rounds = list(zip(self._buckets, self._round_buffers))
-        self._lock.acquire_for_round()
-        try:
-            for bucket, (snapshot, _) in rounds:
-                _copy_weights_into(bucket, snapshot)
-                _sync(snapshot)
-        finally:
-            self._lock.release_for_round()
-        for _, (snapshot, average) in rounds:
-            average.copy_(snapshot)
-            if len(self._ranks) > 1:
-                dist.all_reduce(average, group=self._thread_group)
-                average.div_(len(self._ranks))
-            average.sub_(snapshot)
-        self._lock.acquire_for_round()
-        try:
-            with torch.no_grad():
-                for bucket, (_, delta) in rounds:
-                    _copy_weights_from(bucket, delta, accumulate=True)
-                    _sync(delta)
-        finally:
-            self._lock.release_for_round()
+        average_round(list(zip(self._buckets, self._round_buffers)), self._lock, self._thread_group, len(self._ranks))
 
     def _device(self) -> torch.device:
         if self._buckets:

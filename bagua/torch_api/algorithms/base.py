@@ -35,18 +35,30 @@ __all__ = ["Algorithm", "AlgorithmImpl", "GlobalAlgorithmRegistry"]
 
 
 class _AlgorithmRegistry(dict):
-    """Algorithm names to classes; ``register`` works as a call or a decorator and refuses duplicates."""
+    """Algorithm names to ``{"algorithm": class, "description": str}``; ``register`` works as a call or a
+    decorator and refuses duplicates."""
 
-    def register(self, name: str, cls: Optional[type] = None, description: str = "") -> Any:
-        """Register ``cls`` under ``name``; with ``cls`` omitted, return a class decorator."""
+    def register(self, name: str, algorithm: Optional[Callable[..., Any]] = None,
+                 description: Optional[str] = None) -> Any:
+        """Register ``algorithm`` (an :class:`Algorithm` class) under ``name``, as the original did; with
+        ``algorithm`` omitted, return a class decorator.
 
-        def do_register(algorithm_cls: type) -> type:
+        Example:
+            >>> GlobalAlgorithmRegistry.register("my_allreduce", MyAlgorithm, description="...")  # doctest: +SKIP
+        """
+        if not isinstance(name, str):
+            raise TypeError(f"algorithm name must be a str, got {name!r}")
+
+        def do_register(algorithm_cls: Callable[..., Any]) -> Callable[..., Any]:
             if name in self:
-                raise ValueError(f"algorithm {name!r} is already registered as {self[name]['cls'].__name__}")
-            self[name] = {"cls": algorithm_cls, "description": description}
+                raise ValueError(
+                    f"algorithm {name!r} is already registered as {getattr(self[name]['algorithm'], '__name__', '?')}; "
+                    "pick another name"
+                )
+            self[name] = {"algorithm": algorithm_cls, "description": description or ""}
             return algorithm_cls
 
-        return do_register(cls) if cls is not None else do_register
+        return do_register(algorithm) if algorithm is not None else do_register
 
     def get(self, name: str) -> type:  # type: ignore[override]
         """The class registered under ``name``; a ``ValueError`` with the nearest names otherwise."""
@@ -56,11 +68,16 @@ class _AlgorithmRegistry(dict):
             raise ValueError(
                 f"unknown algorithm {name!r}.{hint} Available algorithms: {', '.join(self.available_algorithms())}"
             )
-        return self[name]["cls"]
+        return self[name]["algorithm"]
 
     def available_algorithms(self) -> list[str]:
         """Registered names, sorted."""
         return sorted(self.keys())
+
+    def description(self, name: str) -> str:
+        """The description ``name`` was registered with."""
+        self.get(name)  # the same error for an unknown name
+        return self[name]["description"]
 
 
 GlobalAlgorithmRegistry = _AlgorithmRegistry()

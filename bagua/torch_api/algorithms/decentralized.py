@@ -22,19 +22,24 @@ exchange among node leaders (so the peers are nodes), broadcast the result insid
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from bagua.torch_api import communication as comm
-from bagua.torch_api import hierarchy
 from bagua.torch_api.algorithms._checks import check_bool, check_choice, check_int
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
 from bagua.torch_api.bucket import BaguaBucket
-from bagua.torch_api.communication import ReduceOp
-from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.decentralized_ops import (
+    PEER_SELECTION_MODES,
+    copy_weights_from,
+    copy_weights_into,
+    peer_communicator,
+    ring_neighbours,
+    shift_one_peer,
+    start_exchange,
+)
+from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, weight_tensor
 
 __all__ = [
@@ -47,92 +52,12 @@ __all__ = [
     "ring_neighbours",
 ]
 
-PEER_SELECTION_MODES = ("all", "shift_one", "ring")
-
-
-# -- peer selection (pure functions) -------------------------------------------------------------------------
-
-
-def shift_one_peer(rank: int, nranks: int, step: int) -> int:
-    """Return the peer of ``rank`` in round ``step`` of ``shift_one`` (``nranks`` even).
-
-    The first half of the ranks is paired with the second half, shifted by one every round, so every pair
-    meets once every ``nranks / 2`` rounds; the pairing is symmetric (``peer(peer(r)) == r``).
-
-    Example:
-        >>> [shift_one_peer(r, 4, 0) for r in range(4)], [shift_one_peer(r, 4, 1) for r in range(4)]
-        ([2, 3, 0, 1], [3, 2, 1, 0])
-    """
-    half = nranks // 2
-    if rank < half:
-        return (step + rank) % ((nranks + 1) // 2) + half
-    return (rank - half - step) % half
-
-
-def ring_neighbours(rank: int, nranks: int) -> tuple[int, int]:
-    """Return ``(left, right)`` = ``(rank - 1, rank + 1)`` modulo ``nranks``.
-
-    Example:
-        >>> ring_neighbours(0, 4)
-        (3, 1)
-    """
-    return (rank - 1) % nranks, (rank + 1) % nranks
-
-
-#: Bytes per point-to-point message of a peer exchange (see :func:`_start_exchange`).
-P2P_SEGMENT = 1 << 20
-
-
-def _start_exchange(
-    send: torch.Tensor, received: dict[int, torch.Tensor], c: BaguaCommunicator, tag: int = 0
-) -> list[Any]:
-    """Send ``send`` to every peer in ``received`` (communicator ranks) and receive into ``received[peer]``.
-
-    Returns the works to wait on. Every rank must start its exchanges in the same order; ``tag`` tells apart
-    the exchanges of different buckets in flight at the same time. The tensors travel in pieces of
-    :data:`P2P_SEGMENT` bytes, sends and receives interleaved: one 100 MB send each way over a gloo pair often ran
-    half duplex (1.6 s instead of 0.83 s at 1 Gbit/s on the emulated hosts), the interleaved pieces always reach
-    line rate in both directions.
-    """
-    flat_send = send.view(-1).view(torch.uint8)
-    flat_recv = {p: buf.view(-1).view(torch.uint8) for p, buf in received.items()}
-    ops = []
-    for a in range(0, max(flat_send.numel(), 1), P2P_SEGMENT):
-        for p in received:
-            ops.append(dist.P2POp(dist.isend, flat_send[a : a + P2P_SEGMENT], c.global_rank(p), c.group, tag))
-            ops.append(dist.P2POp(dist.irecv, flat_recv[p][a : a + P2P_SEGMENT], c.global_rank(p), c.group, tag))
-    return dist.batch_isend_irecv(ops)
-
-
-def _peer_communicator(group: BaguaProcessGroup, hierarchical: bool) -> BaguaCommunicator:
-    """The communicator whose ranks are the peers: the node leaders when hierarchical, else the whole group."""
-    return hierarchy.exchange_communicator(group, hierarchical)
-
-
-# -- weights <-> flat buffers ----------------------------------------------------------------------------------
-
-
-def _copy_weights_into(bucket: BaguaBucket, out: torch.Tensor) -> None:
-    """Copy the bucket's current weights into the flat ``out``."""
-    if bucket.flat is not None and bucket.check_flatten():
-        out.copy_(bucket.flat)
-        return
-    offset = 0
-    for t in bucket.tensors:
-        out[offset : offset + t.numel()].copy_(t.effective().reshape(-1))
-        offset += t.numel()
-
-
-def _copy_weights_from(bucket: BaguaBucket, src: torch.Tensor, accumulate: bool = False) -> None:
-    """Overwrite the bucket's weights with the flat ``src`` (with ``accumulate``: add ``src`` to them)."""
-    if bucket.flat is not None and bucket.check_flatten():
-        bucket.flat.add_(src) if accumulate else bucket.flat.copy_(src)
-        return
-    offset = 0
-    for t in bucket.tensors:
-        part = src[offset : offset + t.numel()].view(t.shape)
-        t.effective().add_(part) if accumulate else t.effective().copy_(part)
-        offset += t.numel()
+# The communication lives in bagua.torch_api.decentralized_ops (shared with the bucket's op appenders); the old
+# private names stay importable from here.
+_start_exchange = start_exchange
+_peer_communicator = peer_communicator
+_copy_weights_into = copy_weights_into
+_copy_weights_from = copy_weights_from
 
 
 def _weight_tensors(bagua_ddp) -> list[BaguaTensor]:
@@ -152,41 +77,6 @@ def _peer_count(group: BaguaProcessGroup, hierarchical: bool) -> int:
     return _peer_communicator(group, hierarchical).nranks()
 
 
-# -- full precision -----------------------------------------------------------------------------------------
-
-
-def _mix_all(tensor: torch.Tensor, c: BaguaCommunicator, step: int, buffers: dict) -> None:
-    comm.allreduce_inplace(tensor, ReduceOp.AVG, c)
-
-
-def _mix_shift_one(tensor: torch.Tensor, c: BaguaCommunicator, step: int, buffers: dict) -> None:
-    peer = shift_one_peer(c.rank(), c.nranks(), step)
-    received = {peer: _cached(buffers, peer, tensor)}
-    for work in _start_exchange(tensor, received, c):
-        work.wait()
-    tensor.add_(received[peer]).div_(2)
-
-
-def _mix_ring(tensor: torch.Tensor, c: BaguaCommunicator, step: int, buffers: dict) -> None:
-    left, right = ring_neighbours(c.rank(), c.nranks())
-    received = {p: _cached(buffers, p, tensor) for p in sorted({left, right})}
-    for work in _start_exchange(tensor, received, c):
-        work.wait()
-    # with two ranks both neighbours are the same rank: its weights count twice, as in the 3-rank formula
-    tensor.add_(received[left]).add_(received[right]).div_(3)
-
-
-def _cached(buffers: dict, peer: int, like: torch.Tensor) -> torch.Tensor:
-    """A receive buffer kept across rounds (allocating ~model-sized tensors every step costs page faults)."""
-    buf = buffers.get(peer)
-    if buf is None:
-        buf = buffers[peer] = torch.empty_like(like)
-    return buf
-
-
-_MIXERS = {"all": _mix_all, "shift_one": _mix_shift_one, "ring": _mix_ring}
-
-
 class DecentralizedAlgorithmImpl(AlgorithmImpl):
     """Decentralized SGD bound to a group; see :class:`DecentralizedAlgorithm`."""
 
@@ -204,6 +94,7 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         self.communication_interval = communication_interval
         # internal state: one peer-weight buffer per bucket; rounds done (drives shift_one's pairing)
         self._peer_weight: dict[str, torch.Tensor] = {}
+        self._ops: dict[str, Any] = {}
         self._round = 0
         self._communicating = False
 
@@ -219,19 +110,14 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
 
     def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
-        peer_weight = torch.zeros(bucket.numel + bucket.padding, dtype=bucket.dtype, device=bucket.device)
+        # the op snapshots the weights into peer_weight, so forward and backward only read the live weights
+        peer_weight = bucket.flattened_tensor()
         self._peer_weight[bucket.name] = peer_weight
-        mix = _MIXERS[self.peer_selection_mode]
-        buffers: dict[int, torch.Tensor] = {}
-
-        def decentralized_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
-            # works on the snapshot taken before forward, so the live weights are only read by forward/backward
-            step = self._round
-            hierarchy.run_hierarchically(
-                self.process_group, self.hierarchical, peer_weight, lambda t, c: mix(t, c, step, buffers)
-            )
-
-        bucket.append_op(decentralized_op)
+        op = bucket.append_decentralized_synchronous_op(
+            peer_weight, self.hierarchical, self.peer_selection_mode, group=self.process_group
+        )
+        op.step = self._round  # shift_one's pairing goes on from the last round after a re-initialization
+        self._ops[bucket.name] = op
 
     def init_forward_pre_hook(self, bagua_ddp) -> Callable[[Any], None]:
         def hook(inputs: Any) -> None:
@@ -240,8 +126,6 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
             self._communicating = self._should_communicate(bagua_ddp)
             if not self._communicating:
                 return
-            for bucket in bagua_ddp.bagua_buckets:
-                _copy_weights_into(bucket, self._peer_weight[bucket.name])
             for bucket in bagua_ddp.bagua_buckets:
                 bagua_ddp.mark_bucket_ready(bucket)
 
@@ -254,9 +138,8 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         def hook() -> None:
             if self._communicating:
                 bagua_ddp.wait_pending_comm_ops()
-                with torch.no_grad():
-                    for bucket in bagua_ddp.bagua_buckets:
-                        _copy_weights_from(bucket, self._peer_weight[bucket.name])
+                for bucket in bagua_ddp.bagua_buckets:
+                    self._ops[bucket.name].copy_back_peer_weight(bucket)
                 self._communicating = False
                 self._round += 1
             # gradients stay local: every rank learns whether some rank's are not finite (GradScaler skips alike)
@@ -274,6 +157,8 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._round = int(state["round"])
+        for op in self._ops.values():  # ops built at wrap time go on from the restored round
+            op.step = self._round
 
 
 def _check_peer_mode(peer_selection_mode: str) -> None:

@@ -10,72 +10,15 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from bagua.torch_api import hierarchy
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from bagua.torch_api.algorithms.decentralized import (
-    _check_interval,
-    _copy_weights_from,
-    _peer_communicator,
-    _start_exchange,
-    _weight_tensors,
-    ring_neighbours,
-)
+from bagua.torch_api.algorithms.decentralized import _check_interval, _weight_tensors
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
 from bagua.torch_api.bucket import BaguaBucket
-from bagua.torch_api.compression import BLOCK, decode_chunks, encode_chunks, scratch_buffer, wire_buffer
-from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.decentralized_ops import LowPrecisionDecentralizedOp, Replicas
+from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithmImpl"]
-
-
-class _Replicas:
-    """Per-bucket state of low-precision decentralized SGD (flat, float32).
-
-    Fields: ``mine`` (x̂_i, my public copy), ``left`` / ``right`` (x̂ of my ring neighbours); scratch buffers
-    ``diff`` (d), ``scratch``, ``wire`` (my 8-bit message) and ``received`` (the neighbours' messages, one per
-    distinct neighbour); ``works``: the exchange in flight. Buffers are allocated once: fresh model-sized
-    tensors every step cost more than the arithmetic (page faults).
-    """
-
-    __slots__ = ("mine", "left", "right", "diff", "scratch", "wire", "received", "works")
-
-    def __init__(self, x: torch.Tensor) -> None:
-        xf = x.detach().float()
-        self.mine = xf.clone()
-        self.left = xf.clone()
-        self.right = xf.clone()
-        self.diff = torch.empty_like(self.mine)
-        self.scratch = scratch_buffer(x.numel(), x.device)
-        self.wire = wire_buffer(1, x.numel(), x.device)
-        self.received: dict[int, torch.Tensor] = {}
-        self.works: list[Any] = []
-
-
-def _ring_round_start(x: torch.Tensor, r: _Replicas, c: BaguaCommunicator, tag: int) -> None:
-    """Steps 1-3 of a round (see :class:`LowPrecisionDecentralizedAlgorithm`): ``d``, ``C = Q(d)``, send/receive."""
-    xf = x if x.dtype == torch.float32 else x.float()
-    # block by block, so each input is read from memory once and the three operations run in cache
-    step = BLOCK if x.device.type == "cpu" else x.numel()
-    for a in range(0, x.numel(), step):
-        b = min(a + step, x.numel())
-        d = torch.add(xf[a:b], r.left[a:b], alpha=1 / 3, out=r.diff[a:b])
-        d.add_(r.right[a:b], alpha=1 / 3).sub_(r.mine[a:b], alpha=5 / 3)
-    encode_chunks(r.diff.view(1, -1), r.wire, work=r.scratch)
-    if not r.received:  # one buffer per distinct neighbour: with two ranks, left and right are the same rank
-        r.received = {p: torch.empty_like(r.wire) for p in sorted(set(ring_neighbours(c.rank(), c.nranks())))}
-    r.works = _start_exchange(r.wire, r.received, c, tag)
-
-
-def _ring_round_finish(r: _Replicas, c: BaguaCommunicator) -> None:
-    """Step 4 of a round: wait for the neighbours' messages and add the decoded differences to the replicas."""
-    for work in r.works:
-        work.wait()
-    r.works = []
-    left, right = ring_neighbours(c.rank(), c.nranks())
-    decode_chunks(r.received[left], r.left.view(1, -1), accumulate=True, work=r.scratch)
-    decode_chunks(r.received[right], r.right.view(1, -1), accumulate=True, work=r.scratch)
-    decode_chunks(r.wire, r.mine.view(1, -1), accumulate=True, work=r.scratch)
 
 
 class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
@@ -88,16 +31,11 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
         self.communication_interval = communication_interval
         # internal state: replicas per bucket; the bucket whose round is still in flight; the optimizers that
         # stepped in this iteration
-        self._replicas: dict[str, _Replicas] = {}
+        self._replicas: dict[str, Replicas] = {}
         self._replica_buckets: dict[str, BaguaBucket] = {}
         self._carried: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._in_flight: Optional[BaguaBucket] = None
+        self._in_flight: Optional[tuple[LowPrecisionDecentralizedOp, BaguaBucket]] = None
         self._stepped: set[int] = set()
-
-    def _layout(self) -> tuple[bool, BaguaCommunicator]:
-        """(whether to go through node leaders, the communicator of the ring)."""
-        return (hierarchy.is_hierarchical(self.process_group, self.hierarchical),
-                _peer_communicator(self.process_group, self.hierarchical))
 
     def init_tensors(self, bagua_ddp) -> list[BaguaTensor]:
         in_optimizer = {id(p) for o in bagua_ddp.bagua_optimizers for g in o.param_groups for p in g["params"]}
@@ -125,46 +63,34 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
         self._replicas, self._replica_buckets = {}, {}
         return super().tensors_to_buckets(tensors, do_flatten)
 
-    def _new_replicas(self, bucket: BaguaBucket) -> _Replicas:
-        replicas = _Replicas(bucket.flattened_tensor())  # at wrap time every rank holds rank 0's weights
+    def _new_replicas(self, bucket: BaguaBucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x = bucket.flattened_tensor().float()  # at wrap time every rank holds rank 0's weights
+        fields = (x, x.clone(), x.clone())
         if all(t.name in self._carried for t in bucket.tensors):
-            for k, field in enumerate((replicas.mine, replicas.left, replicas.right)):
+            for k, field in enumerate(fields):
                 field[: bucket.numel].copy_(torch.cat([self._carried[t.name][k] for t in bucket.tensors]))
-        return replicas
+        return fields
 
     def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
-        replicas = self._new_replicas(bucket)
-        self._replicas[bucket.name] = replicas
+        op = bucket.append_low_precision_decentralized_synchronous_op(
+            *self._new_replicas(bucket), hierarchical=self.hierarchical, group=self.process_group
+        )
+        op.tag, op.pipeline = len(self._replicas), self._pipeline
+        self._replicas[bucket.name] = op.replicas
         self._replica_buckets[bucket.name] = bucket
-        tag = len(self._replicas) - 1
 
-        def low_precision_decentralized_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
-            # start this bucket's exchange, then finish the previous bucket's while this one is on the wire;
-            # the post-step hook finishes the last one
-            hierarchical, c = self._layout()
-            if hierarchical:
-                hierarchy.reduce_to_leaders(self.process_group, flat)
-            if c.is_member() and c.nranks() > 1:
-                _ring_round_start(flat, replicas, c, tag)
-            self._finish_in_flight()
-            self._in_flight = bucket
-
-        bucket.append_op(low_precision_decentralized_op)
+    def _pipeline(self, op: LowPrecisionDecentralizedOp, bucket: BaguaBucket) -> None:
+        # this bucket's exchange is on the wire: finish the previous bucket's meanwhile; the post-step hook finishes
+        # the last one
+        self._finish_in_flight()
+        self._in_flight = (op, bucket)
 
     def _finish_in_flight(self) -> None:
-        bucket, self._in_flight = self._in_flight, None
-        if bucket is None:
-            return
-        hierarchical, c = self._layout()
-        replicas = self._replicas[bucket.name]
-        if c.is_member() and c.nranks() > 1:
-            _ring_round_finish(replicas, c)
-        elif not hierarchical:
-            return  # a group of one rank
-        if hierarchical:
-            hierarchy.broadcast_from_leaders(self.process_group, replicas.mine)
-        _copy_weights_from(bucket, replicas.mine)
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            op, bucket = in_flight
+            op.finish(bucket)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The replicas ``x̂`` (this rank's and its neighbours'), per tensor name (``<name>.mine/left/right``)."""

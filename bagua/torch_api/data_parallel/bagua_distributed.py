@@ -28,7 +28,7 @@ from bagua.torch_api.bucket import BaguaBucket, split_bucket_by_bucket_size
 from bagua.torch_api.data_parallel import _state_sync
 from bagua.torch_api.data_parallel._comm_plane import CommWorker, enable_multistream_like, private_group, register_engine
 from bagua.torch_api.process_group import BaguaProcessGroup
-from bagua.torch_api.tensor import BaguaTensor
+from bagua.torch_api.tensor import BaguaTensor, as_bagua_tensor, bind_engine
 
 def _queue_backward_end_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current backward pass has finished.
@@ -91,7 +91,8 @@ class BaguaDistributedDataParallel:
         # user settings
         self.module = module
         self.bagua_optimizers = list(optimizers)
-        self.bagua_algorithm = algorithm
+        #: the hyper-parameters; ``bagua_algorithm`` is their implementation bound to the engine's group
+        self.algorithm = algorithm
         #: the group the user asked for; the engine communicates on its own copy of it, ``process_group``
         self.user_process_group = process_group
         self.bagua_module_name = bagua_module_name or f"{type(module).__name__}_{id(module)}"
@@ -122,6 +123,7 @@ class BaguaDistributedDataParallel:
         # sends can be matched with the user's collectives, Lightning's, or another wrapped model's messages.
         self.process_group = private_group(module, process_group)
         self.impl: AlgorithmImpl = algorithm.reify(self.process_group)
+        bind_engine(self.bagua_module_name, self)  # tensor.bagua_mark_communication_ready() finds the engine
         self._worker = CommWorker(f"bagua-comm-{self.bagua_module_name}", self.process_group.stream)
         register_engine(self)
         # one small collective: every rank learns whether the model/optimizers agree everywhere
@@ -139,6 +141,11 @@ class BaguaDistributedDataParallel:
         from bagua.autotune import hooks as autotune_hooks  # here: bagua.autotune imports the engine's modules
 
         autotune_hooks.on_wrap(self)  # BAGUA_NET=1: multistream; BAGUA_AUTOTUNE>=1: autotune; else nothing
+
+    @property
+    def bagua_algorithm(self) -> AlgorithmImpl:
+        """The algorithm implementation bound to this engine (as the original's ``bagua_ddp.bagua_algorithm``)."""
+        return self.impl
 
     # -- parameters --------------------------------------------------------------------------------------------
 
@@ -179,7 +186,8 @@ class BaguaDistributedDataParallel:
         _state_sync.broadcast_module_and_optimizers(
             self.module, self._params_to_sync(), self.bagua_optimizers, self.process_group
         )
-        self._bagua_tensors = self.impl.init_tensors(self)
+        # an algorithm written for the original returns tensors registered with ensure_bagua_tensor(...)
+        self._bagua_tensors = [as_bagua_tensor(t) for t in self.impl.init_tensors(self)]
         names = [t.name for t in self._bagua_tensors]
         if len(set(names)) != len(names):
             raise ValueError(f"{type(self.impl).__name__}.init_tensors returned duplicate tensor names")
