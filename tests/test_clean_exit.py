@@ -28,7 +28,7 @@ def _launch(nproc, algorithm, port, marker_dir):
 
 @pytest.mark.parametrize("nproc,algorithm", [(4, "none"), (2, "decentralized"), (2, "async"), (2, "bytegrad")])
 def test_clean_exit_after_training(nproc, algorithm, tmp_path):
-    for attempt in range(2):
+    for attempt in range(1):  # the abort came in about 1 run of 3; the note of the change quotes loops of 30 runs
         markers = tmp_path / str(attempt)
         markers.mkdir()
         proc = _launch(nproc, algorithm, 29710 + 10 * attempt + nproc, str(markers))

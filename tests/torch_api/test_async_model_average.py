@@ -174,7 +174,7 @@ def test_rank_finishing_early_hangs_nobody():
 def test_hyperparameters_are_validated():
     from bagua.torch_api.algorithms.async_model_average import AsyncModelAverageAlgorithm
 
-    with pytest.raises(ValueError, match="'all' only"):
+    with pytest.raises(ValueError, match="choose one of 'all'"):
         AsyncModelAverageAlgorithm(peer_selection_mode="shift_one")
     with pytest.raises(ValueError, match="sync_interval_ms"):
         AsyncModelAverageAlgorithm(sync_interval_ms=-1)

@@ -164,7 +164,7 @@ def test_shift_one_odd_size_fails_on_every_rank_and_ring_works():
 def test_hyperparameters_are_validated():
     from bagua.torch_api.algorithms.decentralized import DecentralizedAlgorithm, shift_one_peer
 
-    with pytest.raises(ValueError, match="available: all, shift_one, ring"):
+    with pytest.raises(ValueError, match="choose one of 'all', 'shift_one', 'ring'"):
         DecentralizedAlgorithm(peer_selection_mode="shift-one")
     with pytest.raises(ValueError, match="communication_interval"):
         DecentralizedAlgorithm(communication_interval=0)
