@@ -98,9 +98,12 @@ def plot(rows: list[dict], path: str, caption: str = "", title: str = TITLE) -> 
     Returns:
         ``path``.
     """
+    return _save(figure(rows, caption, title), path)
+
+
+def _save(fig, path: str) -> str:
     import matplotlib.pyplot as plt
 
-    fig = figure(rows, caption, title)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
@@ -173,12 +176,7 @@ def plot_to_target(rows: list[dict], path: str, caption: str = "", title: str = 
     Returns:
         ``path``.
     """
-    import matplotlib.pyplot as plt
-
-    fig = figure_to_target(rows, caption, title)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _save(figure_to_target(rows, caption, title), path)
 
 
 def figure_to_target(rows: list[dict], caption: str = "", title: str = TITLE_TO_TARGET):
