@@ -94,7 +94,7 @@ def init_process_group(
         >>> import bagua.torch_api as bagua
         >>> bagua.init_process_group()  # doctest: +SKIP
     """
-    global _default_pg
+    global _default_pg, _shutdown_registered
     if _default_pg is not None:
         raise RuntimeError("trying to initialize the default process group twice!")
     if store is not None:
@@ -136,22 +136,14 @@ def init_process_group(
             dist.init_process_group(backend, init_method="env://", timeout=timeout)
         else:
             dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    ranks = list(range(dist.get_world_size()))
-    pg = BaguaProcessGroup(ranks, dist.group.WORLD, "default", _new_stream())
-    pg._build_hierarchy(_gather_world_layout())
-    _default_pg = pg
+    _default_pg = _bagua_group(list(range(dist.get_world_size())), dist.group.WORLD, "default", None)
     if not _shutdown_registered:
         atexit.register(_shutdown)
-        _mark_shutdown_registered()
+        _shutdown_registered = True
 
 
 _shutdown_callbacks: list[tuple[int, Callable[[], None]]] = []
 _shutdown_registered = False
-
-
-def _mark_shutdown_registered() -> None:
-    global _shutdown_registered
-    _shutdown_registered = True
 
 
 def on_shutdown(callback: Callable[[], None], order: int = 0) -> None:
@@ -190,10 +182,16 @@ def _shutdown() -> None:
     gc.collect()  # frees the groups nothing references any more: their threads are joined now
 
 
-def _new_stream():
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        return torch.cuda.Stream(priority=-1)
-    return None
+def _bagua_group(
+    ranks: list[int], group: Optional[dist.ProcessGroup], name: str, stream: Optional[Any]
+) -> BaguaProcessGroup:
+    """A :class:`BaguaProcessGroup` over the torch ``group``, with its intra-/inter-node communicators (collective:
+    node layouts are exchanged once per job); a new high-priority CUDA stream on NCCL unless ``stream`` is given."""
+    if stream is None and torch.cuda.is_available() and dist.get_backend() == "nccl":
+        stream = torch.cuda.Stream(priority=-1)
+    pg = BaguaProcessGroup(ranks, group, name, stream)
+    pg._build_hierarchy(_gather_world_layout())
+    return pg
 
 
 def _reset() -> None:
@@ -229,9 +227,7 @@ def new_group(ranks: Optional[list[int]] = None, stream: Optional[Any] = None) -
         raise ValueError(f"new_group: ranks {bad} are outside the job's {dist.get_world_size()} ranks")
     group = new_torch_group(ranks)
     _group_count += 1
-    pg = BaguaProcessGroup(ranks, group, f"group{_group_count}", stream if stream is not None else _new_stream())
-    pg._build_hierarchy(_gather_world_layout())
-    return pg
+    return _bagua_group(ranks, group, f"group{_group_count}", stream)
 
 
 def from_torch_group(group: dist.ProcessGroup, stream: Optional[Any] = None) -> BaguaProcessGroup:
@@ -247,9 +243,7 @@ def from_torch_group(group: dist.ProcessGroup, stream: Optional[Any] = None) -> 
     else:
         ranks = sorted(dist.get_process_group_ranks(group))
     _group_count += 1
-    pg = BaguaProcessGroup(ranks, group, f"torch{_group_count}", stream if stream is not None else _new_stream())
-    pg._build_hierarchy(_gather_world_layout())
-    return pg
+    return _bagua_group(ranks, group, f"torch{_group_count}", stream)
 
 
 def get_backend(model_name: str = "") -> str:

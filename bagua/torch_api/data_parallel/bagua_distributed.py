@@ -26,9 +26,17 @@ from bagua.torch_api import env
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket, split_bucket_by_bucket_size
 from bagua.torch_api.data_parallel import _state_sync
-from bagua.torch_api.data_parallel._comm_plane import CommWorker, enable_multistream_like, private_group, register_engine
+from bagua.torch_api.data_parallel._comm_plane import (
+    CommWorker,
+    enable_multistream_like,
+    private_group,
+    register_engine,
+)
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, as_bagua_tensor, bind_engine
+
+__all__ = ["BaguaDistributedDataParallel"]
+
 
 def _queue_backward_end_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` once the current backward pass has finished.
@@ -151,20 +159,10 @@ class BaguaDistributedDataParallel:
 
     def bagua_build_params(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Trainable, non-ignored, de-duplicated parameters as ``(qualified name, parameter)``."""
-        seen: set[int] = set()
-        params = []
         for module_name, module in self.module.named_modules():
             if isinstance(module, torch.nn.Embedding) and module.sparse:
                 raise NotImplementedError(f"{module_name}: sparse gradients (Embedding(sparse=True)) are not supported")
-            for param_name, param in module.named_parameters(recurse=False):
-                name = f"{module_name}.{param_name}" if module_name else param_name
-                if not param.requires_grad or name in self.parameters_to_ignore or id(param) in seen:
-                    continue
-                if getattr(param, "expert", False):
-                    continue
-                seen.add(id(param))
-                params.append((name, param))
-        return params
+        return [(name, param) for name, param in self._params_to_sync() if param.requires_grad]
 
     def _params_to_sync(self) -> list[tuple[str, torch.nn.Parameter]]:
         """Every parameter that is not ignored, frozen ones included: all ranks must start from rank 0's."""
