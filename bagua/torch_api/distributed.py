@@ -13,7 +13,7 @@ hooks do all the work.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -137,6 +137,16 @@ def _engine(module: torch.nn.Module) -> "Optional[BaguaDistributedDataParallel]"
     # These properties live on every nn.Module, so they must not raise on modules that are not wrapped: tools
     # read every attribute in dir(module) (torch.compile does) and would fail on the first one that raises.
     return getattr(module, "bagua_ddp", None)
+
+
+def engine_of(obj: Any) -> "Optional[BaguaDistributedDataParallel]":
+    """The Bagua engine training ``obj``: a module wrapped with ``with_bagua``, Bagua's
+    ``DistributedDataParallel``, or a wrapper holding either as ``.module``; ``None`` when there is none."""
+    for m in (obj, getattr(obj, "module", None)):
+        engine = getattr(m, "bagua_ddp", None) or getattr(m, "inner", None)
+        if engine is not None and getattr(engine, "impl", None) is not None:
+            return engine
+    return None
 
 
 def _install() -> None:

@@ -27,7 +27,6 @@ https://arxiv.org/abs/1710.06952.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import threading
 import weakref
@@ -44,6 +43,7 @@ from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgo
 from bagua.torch_api.algorithms.decentralized import _one_bucket_per_dtype, _weight_tensors
 from bagua.torch_api.async_ops import WeightLock, average_round, flat_like, negotiate
 from bagua.torch_api.bucket import BaguaBucket
+from bagua.torch_api.distributed import engine_of
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
@@ -284,8 +284,7 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
 _live_impls: "weakref.WeakSet[AsyncModelAverageAlgorithmImpl]" = weakref.WeakSet()
 
 
-@atexit.register
-def _stop_all_at_exit() -> None:  # also run by Bagua's exit handler, before the process groups are destroyed
+def _stop_all_at_exit() -> None:  # run by Bagua's exit handler, before the process groups are released
     for impl in list(_live_impls):
         impl._stop.set()
         impl._lock.release_for_training()
@@ -351,8 +350,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
 
 def _impl_of(bagua_module: Any) -> AsyncModelAverageAlgorithmImpl:
     """The implementation behind a wrapped module, a Bagua ``DistributedDataParallel`` or its engine."""
-    engine = getattr(bagua_module, "bagua_ddp", None) or getattr(bagua_module, "inner", None) or bagua_module
-    impl = getattr(engine, "impl", None)
+    impl = getattr(engine_of(bagua_module) or bagua_module, "impl", None)
     if not isinstance(impl, AsyncModelAverageAlgorithmImpl):
         raise TypeError(f"{type(bagua_module).__name__} is not trained with AsyncModelAverageAlgorithm")
     return impl

@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api.checkpoint.experts import load_experts, save_experts
-from bagua.torch_api.checkpoint.rank_state import collect_rank_state, engine_of, rank_state_name, restore_rank_state
+from bagua.torch_api.checkpoint.rank_state import collect_rank_state, rank_state_name, restore_rank_state
+from bagua.torch_api.distributed import engine_of
 
 __all__ = ["save_checkpoint", "load_checkpoint", "get_checkpoint_name", "TRACKER_FILENAME", "STALE_TMP_AGE_S"]
 

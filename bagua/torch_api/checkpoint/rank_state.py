@@ -25,22 +25,15 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["rank_state_name", "engine_of", "algorithm_of", "collect_rank_state", "restore_rank_state"]
+from bagua.torch_api.distributed import engine_of
+
+__all__ = ["rank_state_name", "algorithm_of", "collect_rank_state", "restore_rank_state"]
 
 
 def rank_state_name(checkpoints_path: str, iteration: int, rank: int, world_size: int, release: bool = False) -> str:
     """Path of rank ``rank``'s state file in a job of ``world_size`` ranks."""
     directory = "release" if release else f"iter_{iteration:07d}"
     return os.path.join(checkpoints_path, directory, f"rank_{rank}_of_{world_size}_states.pt")
-
-
-def engine_of(model: torch.nn.Module) -> Any:
-    """The Bagua engine training ``model`` (or the module it wraps), or ``None`` before ``with_bagua``."""
-    for m in (model, getattr(model, "module", None)):
-        engine = getattr(m, "bagua_ddp", None) or getattr(m, "inner", None)
-        if engine is not None and getattr(engine, "impl", None) is not None:
-            return engine
-    return None
 
 
 def algorithm_of(model: torch.nn.Module) -> Any:
