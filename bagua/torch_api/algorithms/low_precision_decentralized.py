@@ -6,7 +6,7 @@ one byte per weight crosses the network. See :class:`LowPrecisionDecentralizedAl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -19,6 +19,8 @@ from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithmImpl"]
+
+_FIELDS = ("mine", "left", "right")  # the Replicas fields kept per tensor: x̂_i, x̂_l, x̂_r
 
 
 class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
@@ -33,7 +35,7 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
         # stepped in this iteration
         self._replicas: dict[str, Replicas] = {}
         self._replica_buckets: dict[str, BaguaBucket] = {}
-        self._carried: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._carried: dict[str, torch.Tensor] = {}
         self._in_flight: Optional[tuple[LowPrecisionDecentralizedOp, BaguaBucket]] = None
         self._stepped: set[int] = set()
 
@@ -52,24 +54,27 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
         # Re-bucketing (autotune) must not rebuild the replicas from each rank's own weights, which differ: the
         # replicas of every tensor are carried over, by tensor name, into the new buckets.
         self._finish_in_flight()
-        self._carried = {}
-        for name, bucket in self._replica_buckets.items():
-            r, offset = self._replicas[name], 0
-            for t in bucket.tensors:
-                n = t.numel()
-                self._carried[t.name] = (r.mine[offset : offset + n], r.left[offset : offset + n],
-                                         r.right[offset : offset + n])
-                offset += n
+        self._carried = dict(self._replica_views())
         self._replicas, self._replica_buckets = {}, {}
         return super().tensors_to_buckets(tensors, do_flatten)
 
     def _new_replicas(self, bucket: BaguaBucket) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         x = bucket.flattened_tensor().float()  # at wrap time every rank holds rank 0's weights
         fields = (x, x.clone(), x.clone())
-        if all(t.name in self._carried for t in bucket.tensors):
-            for k, field in enumerate(fields):
-                field[: bucket.numel].copy_(torch.cat([self._carried[t.name][k] for t in bucket.tensors]))
+        if all(f"{t.name}.mine" in self._carried for t in bucket.tensors):
+            for field_name, field in zip(_FIELDS, fields):
+                parts = [self._carried[f"{t.name}.{field_name}"] for t in bucket.tensors]
+                field[: bucket.numel].copy_(torch.cat(parts))
         return fields
+
+    def _replica_views(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``("<tensor name>.<mine|left|right>", view of that tensor's part of the bucket's replica)``."""
+        for name, bucket in self._replica_buckets.items():
+            r, offset = self._replicas[name], 0
+            for t in bucket.tensors:
+                for field in _FIELDS:
+                    yield f"{t.name}.{field}", getattr(r, field)[offset : offset + t.numel()]
+                offset += t.numel()
 
     def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
@@ -95,27 +100,15 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The replicas ``x̂`` (this rank's and its neighbours'), per tensor name (``<name>.mine/left/right``)."""
         self._finish_in_flight()
-        state = {}
-        for name, bucket in self._replica_buckets.items():
-            r, offset = self._replicas[name], 0
-            for t in bucket.tensors:
-                for field in ("mine", "left", "right"):
-                    state[f"{t.name}.{field}"] = getattr(r, field)[offset : offset + t.numel()].clone()
-                offset += t.numel()
-        return state
+        return {key: view.clone() for key, view in self._replica_views()}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self._finish_in_flight()
-        for name, bucket in self._replica_buckets.items():
-            r, offset = self._replicas[name], 0
-            for t in bucket.tensors:
-                for field in ("mine", "left", "right"):
-                    key = f"{t.name}.{field}"
-                    if key not in state:
-                        raise ValueError(f"the low-precision decentralized state has no replica {key!r}; it was "
-                                         "saved from another model")
-                    getattr(r, field)[offset : offset + t.numel()].copy_(state[key].reshape(-1))
-                offset += t.numel()
+        for key, view in self._replica_views():
+            if key not in state:
+                raise ValueError(f"the low-precision decentralized state has no replica {key!r}; it was "
+                                 "saved from another model")
+            view.copy_(state[key].reshape(-1))
 
     def init_forward_pre_hook(self, bagua_ddp) -> Callable[[Any], None]:
         def hook(inputs: Any) -> None:

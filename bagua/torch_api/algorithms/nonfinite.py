@@ -63,7 +63,9 @@ def _undo_error_feedback(bagua_ddp: Any) -> None:
     # (every rank does, so the step leaves no trace, as if the batch had not been seen)
     for bucket in bagua_ddp.bagua_buckets:
         for op in bucket._ops:
-            getattr(op, "rollback", getattr(op, "reset", lambda: None))()
+            rollback = getattr(op, "rollback", None)  # the 8-bit ops with error feedback have one
+            if rollback is not None:
+                rollback()
 
 
 def check_finite_after_communication(
