@@ -136,17 +136,22 @@ def figure(rows: list[dict], caption: str = "", title: str = TITLE):
             ax.set_title(f"{model}, {hosts} hosts, {bands[0]}", fontsize=11)
     axes[0][0].set_ylabel("speedup over DDP (log scale)" if len(_bands_of(ok, panels[0])) > 1 else "")
     if line_panels:
-        handles, labels = [], []
-        for ax in axes[0]:
-            for h, label in zip(*ax.get_legend_handles_labels()):
-                if label not in labels:
-                    handles.append(h)
-                    labels.append(label)
-        fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=9,
-                   title="system", title_fontsize=9)
+        _legend_outside(fig, axes[0], "system")
     fig.suptitle(title + (f"\n{caption}" if caption else ""), fontsize=12)
     fig.tight_layout()
     return fig
+
+
+def _legend_outside(fig, axes: list, title: str) -> None:
+    """One legend for the panels ``axes``, each label once, right of the figure (outside the data)."""
+    handles, labels = [], []
+    for ax in axes:
+        for h, label in zip(*ax.get_legend_handles_labels()):  # labels starting with "_" are left out by matplotlib
+            if label not in labels:
+                handles.append(h)
+                labels.append(label)
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=9,
+               title=title, title_fontsize=9)
 
 
 def _bands_of(rows: list[dict], panel: tuple) -> set:
@@ -213,14 +218,7 @@ def figure_to_target(rows: list[dict], caption: str = "", title: str = TITLE_TO_
         ax.set_xlabel("training time (s, evaluations excluded)")
         ax.set_ylabel({"val_loss": "validation loss (nats/byte)", "accuracy": "test accuracy"}.get(metric, metric))
         ax.grid(True, alpha=0.3)
-    handles, labels = [], []
-    for ax in axes[0]:
-        for h, label in zip(*ax.get_legend_handles_labels()):
-            if label not in labels and not label.startswith("_"):
-                handles.append(h)
-                labels.append(label)
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), frameon=False, fontsize=9,
-               title="system (x: target not reached; dotted: target)", title_fontsize=9)
+    _legend_outside(fig, axes[0], "system (x: target not reached; dotted: target)")
     fig.suptitle(title + (f"\n{caption}" if caption else ""), fontsize=12)
     fig.tight_layout()
     return fig
