@@ -1,7 +1,7 @@
 """Where a ByteGrad step's time goes: per-step event times and CPU per thread, 2 emulated hosts.
 
 Starts two hosts in network namespaces (``bagua.benchmarks.netns``, tbf on both ends of each link), trains the
-25 M-parameter MLP of the network benchmark with ByteGrad on them, and records in every step (times in ms from
+25 M-parameter MLP of the network benchmark (or, with ``--model gpt``, the GPT language model) with ByteGrad on them, and records in every step (times in ms from
 the step's start, medians over the steps after ``--skip``):
 
 - ``fwd``: end of the forward; ``ready<i>``: gradient of bucket ``i`` complete (the autograd hook);
@@ -133,15 +133,17 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import bagua.torch_api as bagua
-    from bagua.benchmarks.workload import build_model
+    from bagua.benchmarks import models
     from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
 
     torch.set_num_threads(1)
     recorder = _Recorder(args.noop_codec)
     bagua.init_process_group()
     rank = dist.get_rank()
-    model = build_model("mlp")
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    spec = models.MODELS[args.model]
+    model = models.build_model(args.model)
+    opt = (torch.optim.SGD(model.parameters(), lr=spec.lr) if spec.optimizer == "sgd"
+           else torch.optim.Adam(model.parameters(), lr=spec.lr))
     # the no-op codec leaves garbage headers: no NaN/Inf policy then
     model = model.with_bagua([opt], ByteGradAlgorithm(nonfinite="ignore" if args.noop_codec else "raise"))
     engine = model.bagua_ddp
@@ -157,17 +159,24 @@ def _worker(args: argparse.Namespace) -> None:
         bucket.execute = timed
         for tensor in bucket.tensors:  # the last of them to be ready
             tensor.param.register_post_accumulate_grad_hook(lambda p, name=bucket.name: recorder.mark(f"ready{name}"))
-    g = torch.Generator().manual_seed(rank)
-    x, y = torch.randn(args.batch_size, 1024, generator=g), torch.randn(args.batch_size, 1024, generator=g)
+    batches, _ = models.train_batches(
+        argparse.Namespace(model=args.model, batch_size=args.batch_size or spec.batch_size, warmup=0,
+                           steps=args.steps, seed=0, epochs=1), rank, dist.get_world_size())
+    loss_fn = models.loss_fn(spec)
     steps, cpu_start, codec_start = [], {}, {}
+    # One barrier before the steps, none inside: a gloo barrier at every step start made the forward and backward
+    # of the GPT at batch 2 about twice as slow (fwd 128 ms instead of 60; a step of 471 ms against 265 ms), while
+    # the benchmark suite, which has no such barrier, measures about 280 ms. Each rank's events are relative to
+    # its own step start, so nothing needs the ranks aligned.
+    dist.barrier()
     for i in range(args.steps):
         if i == args.skip:
             cpu_start, codec_start = _thread_cpu_ms(), dict(recorder.codec_cpu)
-        dist.barrier()
         recorder.events = {}
         recorder.t0 = time.perf_counter()
+        x, y = batches[i % len(batches)]
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = loss_fn(model(x), y)
         recorder.mark("fwd")
         loss.backward()
         recorder.mark("bwd")
@@ -198,7 +207,7 @@ def _launch(args: argparse.Namespace) -> int:
 
     out = tempfile.mkdtemp(prefix="bytegrad-timeline-")
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--steps", str(args.steps),
-            "--skip", str(args.skip), "--batch-size", str(args.batch_size)] + (["--noop-codec"] * args.noop_codec)
+            "--skip", str(args.skip), "--batch-size", str(args.batch_size), "--model", args.model] + (["--noop-codec"] * args.noop_codec)
     with netns.NetnsCluster(2) as cluster:
         cluster.shape(args.rate)
         procs = []
@@ -211,7 +220,7 @@ def _launch(args: argparse.Namespace) -> int:
         print(f"workers exited with {codes}", file=sys.stderr)
         return 1
     results = [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
-    print(f"ByteGrad, 2 hosts at {args.rate}, batch {args.batch_size}, "
+    print(f"ByteGrad, {args.model}, 2 hosts at {args.rate}, batch {args.batch_size or 'default'}, "
           f"{'no-op codec, ' if args.noop_codec else ''}medians over {args.steps - args.skip} steps")
     for r in results:
         print(f"\nrank {r['rank']} events (ms from step start):")
@@ -220,7 +229,7 @@ def _launch(args: argparse.Namespace) -> int:
         print("  codec CPU ms/step: " + ", ".join(f"{k} {v:g}" for k, v in r["codec_cpu_ms_per_step"].items()))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"rate": args.rate, "noop_codec": args.noop_codec, "ranks": results}, f, indent=1)
+            json.dump({"model": args.model, "rate": args.rate, "noop_codec": args.noop_codec, "ranks": results}, f, indent=1)
     return 0
 
 
@@ -229,7 +238,9 @@ def main() -> int:
     parser.add_argument("--rate", default="1gbit", help="link rate of each host, as tc writes it")
     parser.add_argument("--steps", type=int, default=24, help="steps in all")
     parser.add_argument("--skip", type=int, default=4, help="first steps left out of the medians")
-    parser.add_argument("--batch-size", type=int, default=32, help="per-host batch size")
+    parser.add_argument("--model", default="mlp", choices=["mlp", "gpt", "resnet", "gpt_tiny", "tiny"],
+                        help="benchmark model (bagua.benchmarks.models): the MLP, or the GPT language model")
+    parser.add_argument("--batch-size", type=int, default=0, help="per-host batch size (0: the model's own)")
     parser.add_argument("--noop-codec", action="store_true", help="replace the codec by no-ops (the floor)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the workers are given up")
     parser.add_argument("--json", default="", help="also write the results here")
