@@ -7,8 +7,9 @@
 - :mod:`bagua.benchmarks.to_target`: time to accuracy (``--to-target``);
 - :mod:`bagua.benchmarks.network`: the suite (hosts x bandwidths x models x systems);
 - :mod:`bagua.benchmarks.report` and :mod:`bagua.benchmarks.plots`: table, JSON, CSV and PNG plots.
+- :mod:`bagua.benchmarks.cost_model`: a step-time model calibrated on the runs, and the paper's scale on paper.
 
 See docs/benchmarks.md for the commands and the latest results.
 """
 
-__all__ = ["gpt", "netns", "network", "plots", "report", "resnet", "to_target", "workload"]
+__all__ = ["cost_model", "gpt", "netns", "network", "plots", "report", "resnet", "to_target", "workload"]
