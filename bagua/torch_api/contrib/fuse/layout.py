@@ -329,11 +329,8 @@ def copy_grads(seg: Segment, indices: list[int], grads: list[torch.Tensor]) -> N
     for i, j, out in reversed(seg.copy_ranges) if backwards else seg.copy_ranges:
         if out is None:
             copy_many(views[i:j], grads[i:j])
-            continue
-        try:
+        else:
             torch.cat(grads[i:j], out=out)
-        except RuntimeError:  # a gradient that overlaps the flat gradient (user-assigned): copy one by one
-            copy_many(views[i:j], grads[i:j])
 
 
 def copy_many(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
