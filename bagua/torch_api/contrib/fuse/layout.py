@@ -30,7 +30,8 @@ from typing import Any, Hashable, Optional
 import torch
 
 __all__ = ["Segment", "fits_flat", "adjacent", "mutual_runs", "flatten_params", "find_segments", "adopt",
-           "install_grads", "copy_ranges", "copy_grads", "copy_many", "state_buffer", "flat_buffer", "huge_pages_enabled", "HUGE_PAGES_MIN_BYTES"]
+           "install_grads", "copy_ranges", "copy_grads", "copy_many", "state_buffer", "flat_buffer",
+           "huge_pages_enabled", "HUGE_PAGES_MIN_BYTES"]
 
 HUGE_PAGES_MIN_BYTES = 4 << 20  # smaller buffers gain little and would waste up to a 2 MiB page each
 _HUGE_PAGE = 2 << 20
