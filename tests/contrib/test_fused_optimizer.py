@@ -155,6 +155,65 @@ def test_gradients_replaced_every_step(name):
         run_pair(OPTIMIZERS[name], keep=False)
 
 
+# shapes whose gradients are copied in by torch.cat per range of equal sizes after the first dimension, and by
+# one foreach copy for the other parameters (layout.copy_ranges)
+RANGE_SHAPES = [(4, 5), (3, 5), (2, 5), (7,), (9,), (3, 2, 2), (6, 3), (5, 4), (5, 4), (5, 4), (11,)]
+
+
+def test_copy_ranges_cut_by_sizes_after_the_first_dimension():
+    params = make_params(shapes=RANGE_SHAPES)
+    seg = fuse_optimizer(torch.optim.SGD(params, lr=0.1))._bagua_fuser.layouts[0].segments[0]
+    assert [(i, j, out is not None) for i, j, out in seg.copy_ranges] == [
+        (0, 3, True), (3, 5, True), (5, 7, False), (7, 10, True), (10, 11, False)]
+    for i, j, out in seg.copy_ranges:
+        if out is not None:
+            assert out.data_ptr() == seg.grad_views[i].data_ptr() and out.shape[1:] == params[i].shape[1:]
+            assert out.numel() == seg.offsets[j] - seg.offsets[i]
+
+
+def _fresh_grads(values, backwards):
+    """New gradient tensors with ``values``, as views of one new buffer, at increasing addresses in parameter order
+    or (``backwards``) in reverse, as backward's allocations often are: both copy orders of copy_grads run."""
+    sizes = [v.numel() for v in values]
+    buf = torch.empty(sum(sizes), dtype=values[0].dtype)
+    starts, at = [], 0
+    for n in reversed(sizes) if backwards else sizes:
+        starts.append(at)
+        at += n
+    if backwards:
+        starts.reverse()
+    out = [buf[a : a + v.numel()].view(v.shape) for a, v in zip(starts, values)]
+    for o, v in zip(out, values):
+        o.copy_(v)
+    return out
+
+
+@pytest.mark.parametrize("name", ["adam", "lion", "sgd_momentum"])
+@pytest.mark.parametrize("backwards", [False, True])
+@pytest.mark.parametrize("some_none", [False, True])
+def test_fresh_gradients_copied_by_ranges_match_unfused(name, backwards, some_none):
+    """New gradient tensors every step (the default ``zero_grad()``), at increasing or decreasing addresses, with or
+    without parameters that have no gradient at some steps: bitwise equal to the unfused step, and the flat
+    gradient holds this step's gradients."""
+    ref_params, fused_params = make_params(shapes=RANGE_SHAPES), make_params(shapes=RANGE_SHAPES)
+    ref, fused = OPTIMIZERS[name](ref_params), fuse_optimizer(OPTIMIZERS[name](fused_params), chunk_bytes=64)
+    seg = fused._bagua_fuser.layouts[0].segments[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(5):
+            grads = grads_for(ref_params, step)
+            fresh = _fresh_grads(grads, backwards)
+            assert (fresh[0].data_ptr() > fresh[-1].data_ptr()) == backwards
+            for i, (rp, fp) in enumerate(zip(ref_params, fused_params)):
+                none = some_none and (i + step) % 4 == 0
+                rp.grad, fp.grad = (None, None) if none else (grads[i].clone(), fresh[i])
+            ref.step()
+            fused.fuse_step()
+            assert all(fp.grad is None or torch.equal(fp.grad, v)
+                       for fp, v in zip(fused_params, seg.grad_views))
+    assert_same(ref, fused, ref_params, fused_params)
+
+
 def _zero_grad_model(seed: int = 0):
     """A model with a frozen layer and a layer used only at some steps (its gradient stays None there)."""
     torch.manual_seed(seed)

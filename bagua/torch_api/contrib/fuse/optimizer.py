@@ -26,6 +26,7 @@ import types
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Callable, Optional
 
 import torch
@@ -279,18 +280,24 @@ class _Fuser:
             return bytearray(seg.eligible)
         grads = list(map(_GRAD, params))
         codes = bytearray(seg.eligible)  # then 0 where the gradient is None or cannot join the flat gradient
-        replaced = [i for i, g, view in zip(range(len(params)), grads, seg.grad_views) if g is not view]
+        # after zero_grad() and a backward every gradient is a new tensor: told by two passes in C
+        every_new = not any(map(operator.is_, grads, seg.grad_views)) and not any(map(operator.is_, grads, _NONES))
+        if every_new:
+            replaced = list(range(len(params)))
+        else:
+            replaced = [i for i, g, view in zip(range(len(params)), grads, seg.grad_views) if g is not view]
         if moved:
             if not seg.owned or not self._restore_params(seg, moved):
                 return None
             self._warn("moved", "parameters left the flat buffer (.data reassigned?); copying them back")
         if replaced:
-            fresh = [i for i in replaced if grads[i] is not None]
+            fresh = replaced if every_new else [i for i in replaced if grads[i] is not None]
             if fresh and not seg.owned:
                 return None
-            for i in install_grads(seg, fresh, [grads[i] for i in fresh]) if fresh else ():
+            fresh_grads = grads if every_new else [grads[i] for i in fresh]
+            for i in install_grads(seg, fresh, fresh_grads) if fresh else ():
                 codes[i] = 0
-            for i in replaced:
+            for i in () if every_new else replaced:
                 if grads[i] is None:
                     codes[i] = 0
         return codes
@@ -366,6 +373,7 @@ class _Fuser:
 _MISSING = object()
 _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
+_NONES = repeat(None)  # endless: map() stops at the shorter iterable
 
 
 # ------------------------------------------------------------------------ the original's grouping helper
