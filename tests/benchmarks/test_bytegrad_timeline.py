@@ -39,3 +39,22 @@ def test_timeline_records_every_phase_in_order(tmp_path, noop):
         assert "main" in rank["thread_cpu_ms_per_step"], rank
         assert any(name.startswith("gloo") for name in rank["thread_cpu_ms_per_step"]), rank
     assert "events (ms from step start)" in run.stdout
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
+def test_timeline_runs_the_language_model(tmp_path):
+    """``--model gpt_tiny``: the GPT path (Adam, text batches, tied embedding) records its step in order."""
+    out = tmp_path / "timeline.json"
+    cmd = [sys.executable, SCRIPT, "--model", "gpt_tiny", "--rate", "1gbit", "--steps", "4", "--skip", "1",
+           "--json", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["model"] == "gpt_tiny"
+    for rank in result["ranks"]:
+        events = rank["events_ms"]
+        # the engine's readiness hook runs before the probe's, so "ready0" may follow "b0s" by a fraction of a ms
+        times = [events[k] for k in ["fwd", "b0s", "b0e", "bwd", "end"]]
+        assert times == sorted(times), events
+        assert events["fwd"] <= events["ready0"] <= events["bwd"], events
