@@ -37,6 +37,22 @@ def test_apply_flattened_call_runs_once_on_the_flat_tensor():
     assert ts[0].tolist() == [3.0, 3.0] and ts[1].tolist() == [6.0, 6.0, 6.0]
 
 
+def test_submodules_are_attributes_of_the_package():
+    """``import bagua.torch_api as bagua`` then ``bagua.utils.flatten(...)``, as the original's tests do; checked in
+    a fresh interpreter so that no earlier import has loaded the submodules already."""
+    import subprocess
+    import sys
+
+    code = (
+        "import bagua.torch_api as bagua, sys\n"
+        "assert 'bagua.torch_api.utils' in sys.modules and 'bagua.torch_api.moe' in sys.modules\n"
+        "print(bagua.utils.flatten.__module__, bagua.moe.MoE.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["bagua.torch_api.utils", "MoE"]
+
+
 def test_dtype_and_op_names():
     assert [to_bagua_datatype(d) for d in (torch.float32, torch.float16, torch.uint8, torch.int64)] == [
         "f32", "f16", "u8", "i64"]
