@@ -123,6 +123,21 @@ def test_coalesced_collectives_and_rank_not_in_group():
     assert run_workers(_worker_coalesced, 2, timeout=60) == [(False, False, False, False), (True, True, False, False)]
 
 
+def _worker_empty_group(rank, world_size):
+    from bagua.torch_api import communication as C
+
+    nobody = C.new_group([])  # the original's test_decentralized asks for (world_size - 1) // 2 * 2 ranks: 0 at 2
+    t = torch.full((2,), float(rank))
+    C.allreduce_inplace(t, comm=nobody.get_global_communicator())  # a non-member returns at once
+    both = C.new_group([0, 1])  # later groups are still created collectively, in the same order on every rank
+    C.allreduce_inplace(t, comm=both.get_global_communicator())
+    return C._rank_not_in_group(nobody), nobody.size(), nobody.rank(), t.tolist()
+
+
+def test_group_without_members():
+    assert run_workers(_worker_empty_group, 2, timeout=60) == [(True, 0, -1, [1.0, 1.0])] * 2
+
+
 def _worker_communicator(rank, world_size):
     import threading
 
