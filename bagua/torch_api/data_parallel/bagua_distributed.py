@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api import env
+from bagua.torch_api import lifecycle
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket, split_bucket_by_bucket_size
 from bagua.torch_api.data_parallel import _state_sync
@@ -75,7 +76,7 @@ class BaguaDistributedDataParallel:
         module: the model, already on its device.
         optimizers: the optimizers that step the model's parameters.
         algorithm: an :class:`~bagua.torch_api.algorithms.Algorithm`.
-        process_group: the group to train over.
+        process_group: the group to train over; ``None`` for the default group.
         bagua_module_name: a name unique in the job (defaults to the class name and id).
         gradient_as_bucket_view: flatten buckets so effective tensors are views of one buffer.
         find_unused_parameters: give parameters that received no gradient on *any* rank back a ``None``
@@ -87,7 +88,7 @@ class BaguaDistributedDataParallel:
         module: torch.nn.Module,
         optimizers: Sequence[torch.optim.Optimizer],
         algorithm: Algorithm,
-        process_group: BaguaProcessGroup,
+        process_group: Optional[BaguaProcessGroup] = None,
         bagua_module_name: Optional[str] = None,
         gradient_as_bucket_view: bool = True,
         find_unused_parameters: bool = False,
@@ -96,6 +97,8 @@ class BaguaDistributedDataParallel:
             raise TypeError(
                 f"algorithm must be a bagua Algorithm instance (e.g. GradientAllReduceAlgorithm()), got {algorithm!r}"
             )
+        if process_group is None:
+            process_group = lifecycle._get_default_group()
         # user settings
         self.module = module
         self.bagua_optimizers = list(optimizers)
