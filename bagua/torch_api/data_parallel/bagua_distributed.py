@@ -30,6 +30,7 @@ from bagua.torch_api.data_parallel import _state_sync
 from bagua.torch_api.data_parallel._comm_plane import (
     CommWorker,
     enable_multistream_like,
+    open_engines_of,
     private_group,
     register_engine,
 )
@@ -99,6 +100,11 @@ class BaguaDistributedDataParallel:
             )
         if process_group is None:
             process_group = lifecycle._get_default_group()
+        # One engine per module: wrapping a module again (the original's tests switch algorithms on one model this
+        # way) closes the engine of the earlier wrap, whose hooks would otherwise keep communicating beside this
+        # one's. The original reset the module's Bagua state the same way.
+        for previous in open_engines_of(module):
+            previous.close()
         # user settings
         self.module = module
         self.bagua_optimizers = list(optimizers)
@@ -114,6 +120,7 @@ class BaguaDistributedDataParallel:
             getattr(module, "_ddp_params_and_buffers_to_ignore", [])
         )
         # internal state
+        self.closed = False
         self.bagua_train_step_counter = 0
         self.bagua_buckets: list[BaguaBucket] = []
         self._bagua_tensors: list[BaguaTensor] = []
@@ -408,7 +415,10 @@ class BaguaDistributedDataParallel:
             self.__dict__.pop(name, None)
 
     def close(self) -> None:
-        """Wait for pending work, remove every hook, stop the communication thread and the algorithm."""
+        """Wait for pending work, remove every hook, stop the communication thread and the algorithm (once)."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.wait_pending_comm_ops()
         finally:
