@@ -23,15 +23,20 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 __all__ = ["EDITS", "OUT_OF_SCOPE", "apply_edits", "prepare", "main"]
 
 REPO = Path(__file__).resolve().parents[1]
+STALE_FILESTORE = Path("/tmp/.bagua.test.filestore")  # init_method of the original's torch reference runs
+LINGER_S = 60
+FILE_TIMEOUT_S = 3600
 
 #: (pattern, replacement, reason). Applied in order to every copied ``.py`` file, line by line.
 EDITS: list[tuple[str, str, str]] = [
@@ -113,10 +118,28 @@ def _pytest(root: Path, targets: list[str], junit: Path, timeout: int, extra: li
            "--continue-on-collection-errors",
            f"--junitxml={junit}", "-o", "junit_family=xunit1", "-o", "junit_logging=all", *extra, *targets]
     print("$ cd", root, "&&", " ".join(cmd), flush=True)
-    return subprocess.call(cmd, cwd=root, env=env)
+    # Several tests fork children and only join them with a timeout; a child that hangs keeps pytest from exiting
+    # (multiprocessing joins every child at exit). Once pytest has written its report, its process group gets
+    # LINGER_S seconds to exit, then it is killed; the whole file gets FILE_TIMEOUT_S.
+    if STALE_FILESTORE.exists():
+        STALE_FILESTORE.unlink()  # the fixed rendezvous file of several tests; a crashed run leaves it behind
+    junit.unlink(missing_ok=True)
+    proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True)
+    start, reported = time.monotonic(), None
+    while proc.poll() is None:
+        time.sleep(1)
+        if reported is None and junit.exists():
+            reported = time.monotonic()
+        now = time.monotonic()
+        if (reported is not None and now - reported > LINGER_S) or now - start > FILE_TIMEOUT_S:
+            print(f"!! killing pytest's process group ({'children left behind' if reported else 'file timeout'})")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return 1
+    return proc.returncode
 
 
-def _outcomes(junit: Path) -> dict[tuple[str, str], str]:
+def _outcomes(junit: Path, suite: str) -> dict[tuple[str, str], str]:
     """Map (file, test name) to passed / failed / error / skipped / xfail, read from a JUnit XML report."""
     found: dict[tuple[str, str], str] = {}
     if not junit.exists():
@@ -136,7 +159,7 @@ def _outcomes(junit: Path) -> dict[tuple[str, str], str]:
             # leaves zeros in shared results, and zeros compare equal. Such a pass is reported apart.
             captured = " ".join(child.text or "" for child in case if child.tag in ("system-out", "system-err"))
             outcome = "passed, child traceback" if "Traceback (most recent call last)" in captured else "passed"
-        found[(file, case.get("name", ""))] = outcome
+        found[(f"{suite}: {file}", case.get("name", ""))] = outcome
     return found
 
 
@@ -192,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         for target in targets:
             junit = root / f"junit-{target.replace('/', '_')}.xml"
             status |= _pytest(root, [target], junit, args.timeout, extra, env)
-            outcomes.update(_outcomes(junit))
+            outcomes.update(_outcomes(junit, name))
         if name == "lightning-bagua":
             # Upstream runs tests marked standalone one at a time (tests/run_standalone_tests.sh): a 2-device
             # Trainer re-launches the command line in each rank, which must then be this one test.
@@ -202,9 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                     env_one = dict(env, RUN_STANDALONE_TESTS="1")
                     status |= _pytest(root, [f"{target}::{test}"], junit_one, args.timeout, extra, env_one)
                     # The standalone run's outcome replaces the skip recorded by the first run.
-                    outcomes.update(_outcomes(junit_one))
+                    outcomes.update(_outcomes(junit_one, name))
     print("\nedits applied:")
-    for _, _, reason in EDITS:
+    for reason in dict.fromkeys(reason for _, _, reason in EDITS):
         print("  -", reason)
     print("out of scope:")
     for prefix, reason in OUT_OF_SCOPE.items():
