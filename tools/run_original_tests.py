@@ -30,6 +30,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Optional
 
 __all__ = ["EDITS", "OUT_OF_SCOPE", "apply_edits", "prepare", "main"]
 
@@ -61,7 +62,8 @@ EDITS: list[tuple[str, str, str]] = [
      r"\1pass  # torch 1.13's replicated-tensor DDP switch: removed in torch 2.x, unused by Bagua\n",
      "harness (tests/internal/multi_process_v2.py): torch 1.13-only import removed"),
     (r"^( *)fn = getattr\(self, method_name\)\n\s*setattr\(self, method_name, self\.join_or_run\(fn\)\)\n",
-     r"\1fn = getattr(self, method_name, None)\n\1if fn is not None:\n\1    setattr(self, method_name, self.join_or_run(fn))\n",
+     r"\1fn = getattr(self, method_name, None)\n"
+     r"\1if fn is not None:\n\1    setattr(self, method_name, self.join_or_run(fn))\n",
      "harness (multi_process_v2.py): pytest >= 8 builds unittest classes as Class('runTest') while collecting; "
      "tolerated as torch's later copy of this harness does"),
 ]
@@ -113,22 +115,23 @@ def _in_scope(tests: Path) -> list[str]:
     return [f for f in files if not any(f.startswith(prefix) for prefix in OUT_OF_SCOPE)]
 
 
-def _pytest(root: Path, targets: list[str], junit: Path, timeout: int, extra: list[str], env: dict) -> int:
+def _pytest(root: Path, targets: list[str], junit: Optional[Path], timeout: int, extra: list[str], env: dict) -> int:
+    report = [f"--junitxml={junit}", "-o", "junit_family=xunit1", "-o", "junit_logging=all"] if junit else []
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rA", f"--timeout={timeout}",
-           "--continue-on-collection-errors",
-           f"--junitxml={junit}", "-o", "junit_family=xunit1", "-o", "junit_logging=all", *extra, *targets]
+           "--continue-on-collection-errors", *report, *extra, *targets]
     print("$ cd", root, "&&", " ".join(cmd), flush=True)
     # Several tests fork children and only join them with a timeout; a child that hangs keeps pytest from exiting
     # (multiprocessing joins every child at exit). Once pytest has written its report, its process group gets
     # LINGER_S seconds to exit, then it is killed; the whole file gets FILE_TIMEOUT_S.
     if STALE_FILESTORE.exists():
         STALE_FILESTORE.unlink()  # the fixed rendezvous file of several tests; a crashed run leaves it behind
-    junit.unlink(missing_ok=True)
+    if junit is not None:
+        junit.unlink(missing_ok=True)
     proc = subprocess.Popen(cmd, cwd=root, env=env, start_new_session=True)
     start, reported = time.monotonic(), None
     while proc.poll() is None:
         time.sleep(1)
-        if reported is None and junit.exists():
+        if reported is None and junit is not None and junit.exists():
             reported = time.monotonic()
         now = time.monotonic()
         if (reported is not None and now - reported > LINGER_S) or now - start > FILE_TIMEOUT_S:
@@ -221,11 +224,12 @@ def main(argv: list[str] | None = None) -> int:
             # Trainer re-launches the command line in each rank, which must then be this one test.
             for target in targets:
                 for test in re.findall(r"standalone=True\)\s*\ndef (\w+)", (root / target).read_text()):
-                    junit_one = root / f"junit-{test}.xml"
                     env_one = dict(env, RUN_STANDALONE_TESTS="1")
-                    status |= _pytest(root, [f"{target}::{test}"], junit_one, args.timeout, extra, env_one)
-                    # The standalone run's outcome replaces the skip recorded by the first run.
-                    outcomes.update(_outcomes(junit_one, name))
+                    # Every rank runs this same command line, so no JUnit report (they would write one file at
+                    # once): the exit status is the outcome, and it replaces the skip recorded by the first run.
+                    rc = _pytest(root, [f"{target}::{test}"], None, args.timeout, extra, env_one)
+                    status |= rc
+                    outcomes[(f"{name}: {target}", test)] = "passed" if rc == 0 else "failed"
     print("\nedits applied:")
     for reason in dict.fromkeys(reason for _, _, reason in EDITS):
         print("  -", reason)

@@ -105,7 +105,8 @@ def _worker_ddp_rewrap(rank, world_size):
                 torch.distributed.all_reduce(p.grad)
                 p.sub_(0.05 * p.grad / world_size)
     second.inner.close()
-    return getattr(first.inner, "closed", False), [p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()]
+    weights, reference = [p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()]
+    return getattr(first.inner, "closed", False), weights, reference
 
 
 def test_ddp_over_a_wrapped_module_replaces_the_earlier_engine():
