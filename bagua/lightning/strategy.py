@@ -307,13 +307,21 @@ class BaguaStrategyBase:
         if fitting:
             # Unlike torch DDP, Bagua needs the optimizers when it wraps the model (it hooks their step).
             self.setup_optimizers(trainer)
-            self.model = self._setup_model(self.model)
+            self._configure_bagua_model(trainer)
         else:
             _broadcast_module_state(self.model)
         self.setup_precision_plugin()
         if fitting:
             self._api.optimizers_to_device(self.optimizers, self.root_device)
             self._resume_background_communication()
+
+    def _configure_bagua_model(self, trainer: Any) -> None:
+        """Wrap the LightningModule with Bagua, using the optimizers already set up (the original plugin's name).
+
+        The original lightning-bagua plugin, and its tests, call this after ``setup_optimizers``. An algorithm
+        with a background loop (``async``) is resumed by :meth:`setup`, once the optimizers are on their device.
+        """
+        self.model = self._setup_model(self.model)
 
     def _setup_model(self, model: torch.nn.Module) -> DistributedDataParallel:
         """Wrap the LightningModule with Bagua's ``DistributedDataParallel``."""

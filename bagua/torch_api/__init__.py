@@ -7,7 +7,7 @@ Example:
     >>> model = model.with_bagua([optimizer], gradient_allreduce.GradientAllReduceAlgorithm())  # doctest: +SKIP
 """
 
-from bagua.torch_api import _log, algorithms, checkpoint, communication, contrib, data_parallel, env
+from bagua.torch_api import _log, algorithms, checkpoint, communication, contrib, data_parallel, env, moe, utils
 from bagua.torch_api.communication import (
     ReduceOp,
     allgather,
@@ -43,7 +43,7 @@ __all__ = [
     "broadcast", "gather", "gather_inplace", "reduce", "reduce_inplace", "reduce_scatter",
     "reduce_scatter_inplace", "scatter", "scatter_inplace", "ReduceOp", "BaguaModule", "BaguaTensor",
     "get_local_rank", "get_local_size", "get_node_rank", "get_rank", "get_world_size",
-    "algorithms", "checkpoint", "communication", "contrib", "data_parallel", "env",
+    "algorithms", "checkpoint", "communication", "contrib", "data_parallel", "env", "moe", "utils",
 ]
 
 _log.configure()  # the "bagua" logger: level from BAGUA_LOG_LEVEL, records prefixed with the rank

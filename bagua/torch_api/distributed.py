@@ -76,7 +76,7 @@ class BaguaModule:
             self,
             optimizers,
             algorithm,
-            process_group=process_group or comm._get_default_group(),
+            process_group=process_group,
             bagua_module_name=self._bagua_module_name,
             gradient_as_bucket_view=do_flatten,
         )

@@ -36,6 +36,8 @@ def new_torch_group(
     WORLD group is reused, unless ``private``.
     """
     ranks = sorted(ranks)
+    if not ranks:
+        return None  # a group without members (torch refuses an empty rank list): every rank is outside it
     if len(ranks) == dist.get_world_size() and not private:
         return dist.group.WORLD
     group = dist.new_group(ranks, timeout=timeout)
@@ -270,7 +272,7 @@ class BaguaProcessGroup:
             # One node (or one rank per node): the intra communicator is the whole group and the inter one holds
             # the leader alone, so hierarchical algorithms reduce to their flat form.
             self._intra = BaguaCommunicator(self.group, self.ranks, self.stream)
-            self._inter = BaguaCommunicator(None, [self.ranks[0]], self.stream)
+            self._inter = BaguaCommunicator(None, self.ranks[:1], self.stream)
             return
         for node in sorted(by_node):
             group = new_torch_group(by_node[node], private=True)

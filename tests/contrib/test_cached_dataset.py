@@ -94,6 +94,19 @@ def test_pending_writes_are_flushed_when_workers_exit(tmp_path):
     assert cached.cache_loader.num_keys() == N
 
 
+def test_buffered_writes_reach_the_store_after_a_thousand_reads(tmp_path):
+    """A buffer that never fills (3 keys, room for 50) is written after FLUSH_AFTER_READS reads, as the original's
+    fetcher did, so that the other processes of the job see those values before this one exits."""
+    from bagua.torch_api.contrib.cache_loader import FLUSH_AFTER_READS
+
+    loader = CacheLoader(dataset_name="slow", writer_buffer_size=50, path=str(tmp_path / "cache.lmdb"))
+    for read in range(FLUSH_AFTER_READS - 1):
+        assert loader.get(read % 3, lambda k: k * 10) == (read % 3) * 10
+    assert loader.num_keys() == 0  # still buffered
+    loader.get(0, lambda k: k * 10)
+    assert loader.num_keys() == 3 and loader.misses == 3
+
+
 def test_datasets_share_a_store_by_name(tmp_path):
     path = str(tmp_path / "cache.lmdb")
     a = CachedDataset(Samples(), dataset_name="a", writer_buffer_size=1, path=path)

@@ -509,6 +509,51 @@ def test_do_flatten_false_fuses_what_is_contiguous():
     assert [len(s.params) for s in segs] == [len(SHAPES)] and fused._bagua_fused_count == STEPS
 
 
+def test_fused_count_is_one_per_fused_param_group_per_step():
+    """The original's ``_bagua_fused_count``: +1 for every param group a ``fuse_step`` fused, none for ``step()``."""
+    ref_params, fused_params = make_params(), make_params()
+    groups = lambda ps: [{"params": ps[:3]}, {"params": ps[3:6], "weight_decay": 0.1}, {"params": ps[6:]}]
+    ref = torch.optim.Adam(groups(ref_params), lr=1e-2)
+    fused = fuse_optimizer(torch.optim.Adam(groups(fused_params), lr=1e-2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # state made by the plain step() is copied into the flat buffers
+        for step in range(STEPS):
+            grads = grads_for(ref_params, step)
+            set_grads(ref_params, grads, keep=False)
+            set_grads(fused_params, grads)
+            ref.step()
+            fused.fuse_step() if step % 2 == 0 else fused.step()
+    assert_same(ref, fused, ref_params, fused_params)
+    # the last group holds one parameter: nothing to fuse there
+    assert fused._bagua_fused_count == 2 * len(range(0, STEPS, 2))
+
+
+def test_memory_flattened_by_another_owner_is_left_there():
+    """Parameters and gradients re-pointed into someone else's flat buffer (as Bagua's buckets do, last parameter
+    first) are not copied back: the step fuses what is contiguous there (nothing) and equals the unfused one."""
+    ref_params, fused_params = make_params(), make_params()
+    ref, fused = OPTIMIZERS["adam"](ref_params), fuse_optimizer(OPTIMIZERS["adam"](fused_params))
+    step_together(ref, ref_params, [(fused, fused_params)], range(2), fresh_ref=True)
+    assert fused._bagua_fused_count == 2
+    total = sum(p.numel() for p in fused_params)
+    weights, grads = torch.zeros(total), torch.zeros(total)
+    offset = 0
+    for p in reversed(fused_params):  # the other owner's layout
+        n = p.numel()
+        with torch.no_grad():
+            weights[offset : offset + n].copy_(p.reshape(-1))
+            p.data = weights[offset : offset + n].view(p.shape)
+        p.grad = grads[offset : offset + n].view(p.shape)
+        offset += n
+    with pytest.warns(UserWarning, match="another flat buffer"):
+        step_together(ref, ref_params, [(fused, fused_params)], range(2, 2 + STEPS), fresh_ref=True)
+    assert_same(ref, fused, ref_params, fused_params)
+    storages = {t.untyped_storage().data_ptr() for t in (weights, grads)}
+    assert all(p.untyped_storage().data_ptr() in storages for p in fused_params)
+    assert all(p.grad.untyped_storage().data_ptr() in storages for p in fused_params)
+    assert fused._bagua_fused_count == 2
+
+
 def test_do_flatten_false_on_separate_tensors_matches():
     _, fused, _, _ = run_pair(OPTIMIZERS["adam"], do_flatten=False)
     assert fused._bagua_fused_count == 0
@@ -734,10 +779,12 @@ def _train_with_bagua(rank, algorithm, fused, fuse_first, bagua_flatten, set_to_
                 with model.bagua_ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
                     torch.nn.functional.mse_loss(model(x), y).backward()
             opt.fuse_step() if fused else opt.step()
-    if fused:
-        assert opt._bagua_fused_count == STEPS
+    count = opt._bagua_fused_count if fused else None
+    # with do_flatten=True the gradients are views of Bagua's buckets; the fused optimizer must leave them there
+    buffers = {b.flat.untyped_storage().data_ptr() for b in model.bagua_ddp.bagua_buckets if b.flat is not None}
+    in_buckets = [p.grad.untyped_storage().data_ptr() in buffers for p in model.parameters()]
     model.bagua_ddp.close()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().clone() for p in model.parameters()], count, in_buckets
 
 
 def _worker_with_bagua(rank, world_size, cases):
@@ -760,7 +807,14 @@ def test_with_bagua_matches_unfused():
 
     results = run_workers(_worker_with_bagua, 2, WITH_BAGUA_CASES, timeout=240)
     for c, case in enumerate(WITH_BAGUA_CASES):
+        bagua_flatten = case[2]
         for rank in range(2):
-            unfused, fused = results[rank][c]
+            (unfused, _, _), (fused, count, in_buckets) = results[rank][c]
             assert all(torch.equal(a, b) for a, b in zip(unfused, fused)), f"rank {rank}, case {case}"
-        assert all(torch.equal(a, b) for a, b in zip(results[0][c][1], results[1][c][1])), f"ranks differ, {case}"
+            if bagua_flatten:
+                # Bagua's buckets own the gradients (laid out last layer first, so nothing is contiguous in the
+                # parameters' order): the fused optimizer leaves them there and fuses nothing, as the original's
+                assert all(in_buckets) and count == 0, f"rank {rank}, case {case}: {in_buckets}, {count}"
+            else:
+                assert count == STEPS, f"rank {rank}, case {case}: one fused param group per step, got {count}"
+        assert all(torch.equal(a, b) for a, b in zip(results[0][c][1][0], results[1][c][1][0])), f"ranks differ, {case}"

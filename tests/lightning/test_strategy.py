@@ -371,6 +371,52 @@ def test_algorithm(job, name):
         assert_close(results[0]["lightning"], results[1]["lightning"], rtol=0, atol=0)
 
 
+# -- the original plugin's step name ----------------------------------------------------------------------------
+
+
+def _worker_configure(rank, world_size):
+    """``_configure_bagua_model(trainer)`` wraps the connected module with the optimizers already set up."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    from bagua.lightning import BaguaStrategy
+    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithmImpl
+    from bagua.torch_api.data_parallel import DistributedDataParallel
+    from tests.lightning.models import Regression
+
+    out = {}
+    for algorithm, optimizer in (("gradient_allreduce", "sgd"), ("qadam", "adam")):
+        model = Regression(optimizer=optimizer)
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=BaguaStrategy(algorithm=algorithm), logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        trainer.state.fn = TrainerFn.FITTING
+        trainer.strategy.connect(model)
+        model.trainer = trainer  # what Trainer.fit does before the strategy's setup
+        trainer.strategy.setup_optimizers(trainer)
+        try:
+            trainer.strategy._configure_bagua_model(trainer)
+        except Exception as error:  # noqa: BLE001 - the message is the result
+            out[algorithm] = f"{type(error).__name__}: {error}"
+            continue
+        wrapped = trainer.strategy.model
+        out[algorithm] = (
+            isinstance(wrapped, DistributedDataParallel),
+            wrapped.module.module is model,
+            wrapped.bagua_optimizers == [trainer.strategy.optimizers[0]],
+            isinstance(wrapped.bagua_algorithm, GradientAllReduceAlgorithmImpl),
+        )
+        wrapped.inner.close()
+    return out
+
+
+def test_configure_bagua_model():
+    (out,) = run_workers(_worker_configure, 1, timeout=JOB_TIMEOUT_S)
+    assert out["gradient_allreduce"] == (True, True, True, True)
+    assert out["qadam"].startswith("MisconfigurationException: Bagua QAdam can only accept one QAdamOptimizer")
+
+
 # -- one GPU ----------------------------------------------------------------------------------------------------
 
 

@@ -37,6 +37,22 @@ def test_apply_flattened_call_runs_once_on_the_flat_tensor():
     assert ts[0].tolist() == [3.0, 3.0] and ts[1].tolist() == [6.0, 6.0, 6.0]
 
 
+def test_submodules_are_attributes_of_the_package():
+    """``import bagua.torch_api as bagua`` then ``bagua.utils.flatten(...)``, as the original's tests do; checked in
+    a fresh interpreter so that no earlier import has loaded the submodules already."""
+    import subprocess
+    import sys
+
+    code = (
+        "import bagua.torch_api as bagua, sys\n"
+        "assert 'bagua.torch_api.utils' in sys.modules and 'bagua.torch_api.moe' in sys.modules\n"
+        "print(bagua.utils.flatten.__module__, bagua.moe.MoE.__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["bagua.torch_api.utils", "MoE"]
+
+
 def test_dtype_and_op_names():
     assert [to_bagua_datatype(d) for d in (torch.float32, torch.float16, torch.uint8, torch.int64)] == [
         "f32", "f16", "u8", "i64"]
@@ -105,6 +121,21 @@ def _worker_coalesced(rank, world_size):
 
 def test_coalesced_collectives_and_rank_not_in_group():
     assert run_workers(_worker_coalesced, 2, timeout=60) == [(False, False, False, False), (True, True, False, False)]
+
+
+def _worker_empty_group(rank, world_size):
+    from bagua.torch_api import communication as C
+
+    nobody = C.new_group([])  # the original's test_decentralized asks for (world_size - 1) // 2 * 2 ranks: 0 at 2
+    t = torch.full((2,), float(rank))
+    C.allreduce_inplace(t, comm=nobody.get_global_communicator())  # a non-member returns at once
+    both = C.new_group([0, 1])  # later groups are still created collectively, in the same order on every rank
+    C.allreduce_inplace(t, comm=both.get_global_communicator())
+    return C._rank_not_in_group(nobody), nobody.size(), nobody.rank(), t.tolist()
+
+
+def test_group_without_members():
+    assert run_workers(_worker_empty_group, 2, timeout=60) == [(True, 0, -1, [1.0, 1.0])] * 2
 
 
 def _worker_communicator(rank, world_size):

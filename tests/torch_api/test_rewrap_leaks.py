@@ -67,3 +67,52 @@ def test_rewrapping_keeps_threads_and_descriptors_flat(counts, name):
         assert threads0 > 1 and fds0 > 3  # the counts are read (the engine's threads and sockets exist)
         assert threads1 - threads0 <= SLACK, f"{name}: rank {rank} threads {threads0} -> {threads1} after {WRAPS} wraps"
         assert fds1 - fds0 <= SLACK, f"{name}: rank {rank} open fds {fds0} -> {fds1} after {WRAPS} wraps"
+
+
+# -- DistributedDataParallel over a module that is already wrapped --------------------------------------------------
+
+
+def _train(model, opt, rank, steps, first_step=0):
+    for step in range(first_step, first_step + steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _worker_ddp_rewrap(rank, world_size):
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+    from bagua.torch_api.data_parallel import DistributedDataParallel as DDP
+
+    model = make_model(rank)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    first = DDP(model, optimizers=[opt], algorithm=ByteGradAlgorithm(hierarchical=False))
+    _train(first, opt, rank, 2)
+    second = DDP(model, optimizers=[opt], algorithm=GradientAllReduceAlgorithm())  # as the original switches
+    start = [p.detach().clone() for p in model.parameters()]
+    _train(second, opt, rank, 3, first_step=2)
+    # the same three steps by hand: the average of both ranks' gradients, plain SGD
+    ref = make_model(rank)
+    with torch.no_grad():
+        for p, s in zip(ref.parameters(), start):
+            p.copy_(s)
+    for step in range(2, 5):
+        ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(batch(rank, step)[0]), batch(rank, step)[1]).backward()
+        with torch.no_grad():
+            for p in ref.parameters():
+                torch.distributed.all_reduce(p.grad)
+                p.sub_(0.05 * p.grad / world_size)
+    second.inner.close()
+    weights, reference = [p.detach() for p in model.parameters()], [p.detach() for p in ref.parameters()]
+    return getattr(first.inner, "closed", False), weights, reference
+
+
+def test_ddp_over_a_wrapped_module_replaces_the_earlier_engine():
+    """Wrapping a module with Bagua's DistributedDataParallel again closes the earlier engine (the original reset the
+    module's Bagua state): afterwards only the new algorithm communicates. Tolerance: float32 sums of 2 gradients in
+    another order, rtol=1e-5, atol=1e-6."""
+    for closed, weights, reference in run_workers(_worker_ddp_rewrap, 2, timeout=120):
+        torch.testing.assert_close(weights, reference, rtol=1e-5, atol=1e-6)
+        assert closed

@@ -31,10 +31,14 @@ from bagua.torch_api.contrib.utils.fingerprint import Fingerprint
 from bagua.torch_api.contrib.utils.serialization import CorruptEntryError, decode, encode
 from bagua.torch_api.contrib.utils.store import Store, StoreError, StoreFullError
 
-__all__ = ["CacheLoader", "BACKENDS"]
+__all__ = ["CacheLoader", "BACKENDS", "FLUSH_AFTER_READS"]
 
 #: Backend names accepted by ``CacheLoader(backend=...)``; a :class:`Store` instance is accepted too.
 BACKENDS = ("lmdb", "redis")
+#: :meth:`CacheLoader.get` writes what it buffered after this many reads even when the buffer is not full, as the
+#: original's fetcher did: otherwise the last few misses of an epoch would stay in one process's buffer (invisible
+#: to the other processes of the job) until it exits.
+FLUSH_AFTER_READS = 1000
 
 
 def _make_store(backend: Union[str, Store], dataset_name: str, fingerprinted: bool, kwargs: dict) -> Store:
@@ -73,7 +77,8 @@ class CacheLoader:
             :class:`~bagua.torch_api.contrib.utils.store.Store`.
         dataset_name: prefix of every key and, for LMDB, the name of the database directory under
             ``BAGUA_CACHE_DIR`` (default ``~/.cache/bagua``); give each dataset its own.
-        writer_buffer_size: new values :meth:`get` buffers before one batched write (``get_many`` writes per call).
+        writer_buffer_size: new values :meth:`get` buffers before one batched write (``get_many`` writes per call);
+            what is buffered is written after :data:`FLUSH_AFTER_READS` reads at the latest.
         retry_after_s: seconds the store is left alone after a fault.
         fingerprint: what fills the cache (a string such as a version, or a
             :class:`~bagua.torch_api.contrib.utils.fingerprint.Fingerprint`); its hash goes into every key
@@ -109,6 +114,7 @@ class CacheLoader:
         self.store = _make_store(backend, dataset_name, fingerprint is not None, dict(kwargs))
         self._prefix = f"{dataset_name}_" if fingerprint is None else f"{dataset_name}_{self.fingerprint.digest}_"
         self._pending: dict[str, bytes] = {}
+        self._reads_since_flush = 0
         self._finalizer_pid = -1
         self._reads_blocked_until = 0.0
         self._writes_blocked_until = 0.0
@@ -119,7 +125,7 @@ class CacheLoader:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state["_pending"], state["_finalizer_pid"] = {}, -1
+        state["_pending"], state["_finalizer_pid"], state["_reads_since_flush"] = {}, -1, 0
         return state
 
     def get(self, key: Hashable, load_fn: Callable[[Any], Any]) -> Any:
@@ -133,7 +139,8 @@ class CacheLoader:
             The value.
         """
         value = self._lookup([key], load_fn)[0]
-        if len(self._pending) >= self.writer_buffer_size:
+        self._reads_since_flush += 1
+        if len(self._pending) >= self.writer_buffer_size or self._reads_since_flush >= FLUSH_AFTER_READS:
             self.flush()
         return value
 
@@ -162,6 +169,7 @@ class CacheLoader:
 
     def flush(self) -> None:
         """Write the buffered values now (dropping them on a store fault: they are only a cache)."""
+        self._reads_since_flush = 0
         if not self._pending:
             return
         batch = dict(self._pending)

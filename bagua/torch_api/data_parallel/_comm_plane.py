@@ -109,6 +109,11 @@ def register_engine(engine: Any) -> None:
     _live_engines.add(engine)
 
 
+def open_engines_of(module: Any) -> list:
+    """The engines that train ``module`` and are not closed (at most one, see the engine's constructor)."""
+    return [e for e in list(_live_engines) if getattr(e, "module", None) is module and not e.closed]
+
+
 def _close_workers_at_exit() -> None:
     for worker in list(_live_workers):
         worker.close(join_timeout_s=1.0)

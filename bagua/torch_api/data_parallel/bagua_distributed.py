@@ -23,12 +23,14 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api import env
+from bagua.torch_api import lifecycle
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket, split_bucket_by_bucket_size
 from bagua.torch_api.data_parallel import _state_sync
 from bagua.torch_api.data_parallel._comm_plane import (
     CommWorker,
     enable_multistream_like,
+    open_engines_of,
     private_group,
     register_engine,
 )
@@ -75,7 +77,7 @@ class BaguaDistributedDataParallel:
         module: the model, already on its device.
         optimizers: the optimizers that step the model's parameters.
         algorithm: an :class:`~bagua.torch_api.algorithms.Algorithm`.
-        process_group: the group to train over.
+        process_group: the group to train over; ``None`` for the default group.
         bagua_module_name: a name unique in the job (defaults to the class name and id).
         gradient_as_bucket_view: flatten buckets so effective tensors are views of one buffer.
         find_unused_parameters: give parameters that received no gradient on *any* rank back a ``None``
@@ -87,7 +89,7 @@ class BaguaDistributedDataParallel:
         module: torch.nn.Module,
         optimizers: Sequence[torch.optim.Optimizer],
         algorithm: Algorithm,
-        process_group: BaguaProcessGroup,
+        process_group: Optional[BaguaProcessGroup] = None,
         bagua_module_name: Optional[str] = None,
         gradient_as_bucket_view: bool = True,
         find_unused_parameters: bool = False,
@@ -96,6 +98,13 @@ class BaguaDistributedDataParallel:
             raise TypeError(
                 f"algorithm must be a bagua Algorithm instance (e.g. GradientAllReduceAlgorithm()), got {algorithm!r}"
             )
+        if process_group is None:
+            process_group = lifecycle._get_default_group()
+        # One engine per module: wrapping a module again (the original's tests switch algorithms on one model this
+        # way) closes the engine of the earlier wrap, whose hooks would otherwise keep communicating beside this
+        # one's. The original reset the module's Bagua state the same way.
+        for previous in open_engines_of(module):
+            previous.close()
         # user settings
         self.module = module
         self.bagua_optimizers = list(optimizers)
@@ -111,6 +120,7 @@ class BaguaDistributedDataParallel:
             getattr(module, "_ddp_params_and_buffers_to_ignore", [])
         )
         # internal state
+        self.closed = False
         self.bagua_train_step_counter = 0
         self.bagua_buckets: list[BaguaBucket] = []
         self._bagua_tensors: list[BaguaTensor] = []
@@ -405,7 +415,10 @@ class BaguaDistributedDataParallel:
             self.__dict__.pop(name, None)
 
     def close(self) -> None:
-        """Wait for pending work, remove every hook, stop the communication thread and the algorithm."""
+        """Wait for pending work, remove every hook, stop the communication thread and the algorithm (once)."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             self.wait_pending_comm_ops()
         finally:

@@ -73,7 +73,7 @@ class DistributedDataParallel(torch.nn.Module):
             module,
             list(optimizers),
             algorithm,
-            process_group=process_group or comm._get_default_group(),
+            process_group=process_group,
             bagua_module_name=getattr(module, "_bagua_module_name", None),
             gradient_as_bucket_view=gradient_as_bucket_view,
             find_unused_parameters=find_unused_parameters,

@@ -145,7 +145,7 @@ class _Fuser:
         # user settings
         "do_flatten", "check_flatten", "chunk_bytes",
         # internal state
-        "optimizer", "layouts", "plan", "codes", "dirty", "in_step", "fallback", "warned", "handles",
+        "optimizer", "layouts", "follow", "plan", "codes", "dirty", "in_step", "fallback", "warned", "handles",
         # stats
         "fused_count",
     )
@@ -153,6 +153,9 @@ class _Fuser:
     def __init__(self, optimizer, do_flatten: bool, check_flatten: bool, chunk_bytes: Optional[int]):
         self.do_flatten, self.check_flatten, self.chunk_bytes = do_flatten, check_flatten, chunk_bytes
         self.optimizer = optimizer
+        # groups whose memory another owner (Bagua's or torch DDP's flat buckets) took over: their segments are
+        # found in memory as it is (as with do_flatten=False), never copied back
+        self.follow: set[int] = set()
         self.layouts = [self._build(g) for g in optimizer.param_groups]
         self.plan, self.codes = None, None
         self.in_step = self.fallback = False
@@ -195,7 +198,8 @@ class _Fuser:
             self.in_step = False
         plan = self.plan
         self._write_back(fused_groups, fused_state)
-        self.fused_count += any(run.b - run.a > 1 for runs, _ in plan for run in runs)
+        # the original's count: one per param group in which this step fused at least two parameters
+        self.fused_count += sum(any(run.b - run.a > 1 for run in runs) for runs, _ in plan)
         opt._bagua_fused_count = self.fused_count
         return loss
 
@@ -215,9 +219,9 @@ class _Fuser:
 
     # --- layout --------------------------------------------------------------------------------------------
 
-    def _build(self, group: dict) -> _GroupLayout:
+    def _build(self, group: dict, follow: bool = False) -> _GroupLayout:
         params, state = group["params"], self.optimizer.state
-        segments = flatten_params(params, state) if self.do_flatten else find_segments(params, state)
+        segments = flatten_params(params, state) if self.do_flatten and not follow else find_segments(params, state)
         where = {id(p): (seg, i) for seg in segments for i, p in enumerate(seg.params)}
         loose = [p for p in params if id(p) not in where]
         return _GroupLayout(params, [id(p) for p in params], segments, loose, where)
@@ -226,6 +230,7 @@ class _Fuser:
         """Flatten param groups added (``add_param_group``) or changed since the last step."""
         groups = self.optimizer.param_groups
         del self.layouts[len(groups) :]
+        self.follow = {gi for gi in self.follow if gi < len(groups)}
         for gi, group in enumerate(groups):
             lay = self.layouts[gi] if gi < len(self.layouts) else None
             params = group["params"]
@@ -234,10 +239,10 @@ class _Fuser:
             if lay is not None and [id(p) for p in params] == lay.ids:
                 lay.params = params  # same parameters in a new list, e.g. after load_state_dict
                 continue
-            if self.do_flatten:
+            if self.do_flatten and gi not in self.follow:
                 what = "added" if lay is None else "changed"
                 self._warn(f"group-{what}", f"param group {gi} was {what} after fuse_optimizer; flattening it now")
-            new = self._build(group)
+            new = self._build(group, gi in self.follow)
             self.layouts[gi:gi + 1] = [new]
             self.plan = None
 
@@ -246,8 +251,8 @@ class _Fuser:
         self.dirty, self.plan = False, None
         state = self.optimizer.state
         for gi, lay in enumerate(self.layouts):
-            if not self.do_flatten:
-                self.layouts[gi] = self._build(self.optimizer.param_groups[gi])
+            if not self.do_flatten or gi in self.follow:
+                self.layouts[gi] = self._build(self.optimizer.param_groups[gi], follow=True)
                 continue
             moved = sum(adopt(seg, i, state.get(p)) for seg in lay.segments for i, p in enumerate(seg.params))
             if moved:
@@ -261,14 +266,23 @@ class _Fuser:
         codes = []
         for gi, lay in enumerate(self.layouts):
             group_codes = [self._check_segment(seg) for seg in lay.segments]
-            if any(c is None for c in group_codes):  # a found segment broke, or a parameter changed shape
-                self.layouts[gi] = lay = self._build(self.optimizer.param_groups[gi])
+            if any(c is _FOREIGN for c in group_codes) and gi not in self.follow:
+                self.follow.add(gi)
+                self._warn(
+                    "foreign", f"param group {gi}: parameters or gradients now live in another flat buffer (Bagua's "
+                    "buckets with with_bagua(do_flatten=True), torch DDP's gradient_as_bucket_view); they are left "
+                    "there and only what is contiguous in memory is fused. Pass do_flatten=False to with_bagua to "
+                    "keep the fused layout",
+                )
+            if any(c is None or c is _FOREIGN for c in group_codes):  # broke, changed shape, or taken over
+                self.layouts[gi] = lay = self._build(self.optimizer.param_groups[gi], gi in self.follow)
                 group_codes = [self._check_segment(seg) for seg in lay.segments]
                 self.plan = None
             codes.append(group_codes)
         return codes
 
-    def _check_segment(self, seg: Segment) -> Optional[bytearray]:
+    def _check_segment(self, seg: Segment) -> Any:
+        """Return the segment's codes; None if it must be rebuilt; ``_FOREIGN`` if another owner took its memory."""
         # the common case in C-level loops: every gradient is its flat view and no parameter moved. These two
         # passes read two attributes of every parameter, most of whose objects the previous step evicted from the
         # caches: with thousands of parameters they cost about 0.4 us per parameter on CPU.
@@ -286,6 +300,16 @@ class _Fuser:
             replaced = list(range(len(params)))
         else:
             replaced = [i for i, g, view in zip(range(len(params)), grads, seg.grad_views) if g is not view]
+        # Memory that another owner flattened (Bagua's buckets, torch DDP's gradient views) stays where it is, as
+        # in the original's fuse_step. One gradient decides: a segment's gradients come from one owner, and a
+        # mix is still stepped right by the copy path; checking all of them would cost a storage lookup per
+        # parameter on every step with fresh gradients.
+        first = next((grads[i] for i in replaced if grads[i] is not None), None)
+        if seg.owned and (
+            any(_in_other_buffer(params[i], seg.flat_param) for i in moved)
+            or (first is not None and _in_other_buffer(first, seg.flat_grad))
+        ):
+            return _FOREIGN
         if moved:
             if not seg.owned or not self._restore_params(seg, moved):
                 return None
@@ -371,9 +395,19 @@ class _Fuser:
 
 
 _MISSING = object()
+_FOREIGN = object()
 _GRAD = operator.attrgetter("grad")
 _DATA_PTR = torch.Tensor.data_ptr
 _NONES = repeat(None)  # endless: map() stops at the shorter iterable
+
+
+def _in_other_buffer(t: torch.Tensor, own: torch.Tensor) -> bool:
+    """Whether ``t`` is a piece of a larger buffer that is not ``own``: another owner's flat buffer (a Bagua or
+    torch DDP bucket), as opposed to a tensor of its own (a new gradient, ``module.to()``)."""
+    if t.layout != torch.strided:
+        return False  # a sparse gradient has no storage to share; it is stepped as itself anyway
+    storage = t.untyped_storage()
+    return storage.nbytes() > t.numel() * t.element_size() and storage.data_ptr() != own.untyped_storage().data_ptr()
 
 
 # ------------------------------------------------------------------------ the original's grouping helper
