@@ -15,6 +15,7 @@ Example:
 from __future__ import annotations
 
 import datetime
+import weakref
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -38,6 +39,17 @@ __all__ = [
 ]
 
 BucketOp = Callable[["BaguaBucket", torch.Tensor], None]
+
+
+_FLAT_STORAGES: set[int] = set()  # storage addresses of the live buckets' flat buffers
+
+
+def in_bucket_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives in the flat buffer of a live Bagua bucket (``with_bagua(..., do_flatten=True)``).
+
+    The fused optimizer leaves such memory where it is, as the original's did.
+    """
+    return t.layout == torch.strided and t.untyped_storage().data_ptr() in _FLAT_STORAGES
 
 
 def split_bucket_by_bucket_size(tensors: Sequence[BaguaTensor], bucket_size: int) -> list[list[BaguaTensor]]:
@@ -147,6 +159,9 @@ class BaguaBucket:
 
     def _flatten_(self) -> None:
         self.flat = torch.zeros(self.numel + self.padding, dtype=self.dtype, device=self.device)
+        ptr = self.flat.untyped_storage().data_ptr()
+        _FLAT_STORAGES.add(ptr)
+        weakref.finalize(self.flat, _FLAT_STORAGES.discard, ptr)
         for t, off in zip(self.tensors, self._offsets):
             t.move_into(self.flat[off : off + t.numel()].view(t.shape))
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from bagua.torch_api.bucket import in_bucket_storage
 from bagua.torch_api.contrib.fuse.layout import Segment, adopt, find_segments, fits_flat, flatten_params, install_grads
 from bagua.torch_api.contrib.fuse.plan import Run, elementwise_count, make_runs, write_run
 
@@ -269,8 +270,8 @@ class _Fuser:
             if any(c is _FOREIGN for c in group_codes) and gi not in self.follow:
                 self.follow.add(gi)
                 self._warn(
-                    "foreign", f"param group {gi}: parameters or gradients now live in another flat buffer (Bagua's "
-                    "buckets with with_bagua(do_flatten=True), torch DDP's gradient_as_bucket_view); they are left "
+                    "foreign", f"param group {gi}: parameters now live in another flat buffer, or gradients in Bagua's "
+                    "buckets (with_bagua(do_flatten=True)); they are left "
                     "there and only what is contiguous in memory is fused. Pass do_flatten=False to with_bagua to "
                     "keep the fused layout",
                 )
@@ -300,14 +301,15 @@ class _Fuser:
             replaced = list(range(len(params)))
         else:
             replaced = [i for i, g, view in zip(range(len(params)), grads, seg.grad_views) if g is not view]
-        # Memory that another owner flattened (Bagua's buckets, torch DDP's gradient views) stays where it is, as
-        # in the original's fuse_step. One gradient decides: a segment's gradients come from one owner, and a
-        # mix is still stepped right by the copy path; checking all of them would cost a storage lookup per
-        # parameter on every step with fresh gradients.
+        # Memory that another owner flattened stays where it is, as in the original's fuse_step: parameters moved
+        # into another buffer, or gradients in Bagua's buckets (with_bagua(do_flatten=True)). One gradient
+        # decides: a segment's gradients come from one owner, and a mix is still stepped right by the copy path.
+        # Other gradients that are views of a larger buffer (torch DDP's gradient_as_bucket_view, a user's
+        # buffer) are copied in, as fresh ones are.
         first = next((grads[i] for i in replaced if grads[i] is not None), None)
         if seg.owned and (
             any(_in_other_buffer(params[i], seg.flat_param) for i in moved)
-            or (first is not None and _in_other_buffer(first, seg.flat_grad))
+            or (first is not None and in_bucket_storage(first))
         ):
             return _FOREIGN
         if moved:
