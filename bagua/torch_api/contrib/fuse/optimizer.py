@@ -154,8 +154,8 @@ class _Fuser:
     def __init__(self, optimizer, do_flatten: bool, check_flatten: bool, chunk_bytes: Optional[int]):
         self.do_flatten, self.check_flatten, self.chunk_bytes = do_flatten, check_flatten, chunk_bytes
         self.optimizer = optimizer
-        # groups whose memory another owner (Bagua's or torch DDP's flat buckets) took over: their segments are
-        # found in memory as it is (as with do_flatten=False), never copied back
+        # groups whose memory another owner took over (parameters moved into another flat buffer, or gradients in
+        # Bagua's buckets): their segments are found in memory as it is (as with do_flatten=False), never copied back
         self.follow: set[int] = set()
         self.layouts = [self._build(g) for g in optimizer.param_groups]
         self.plan, self.codes = None, None
@@ -404,8 +404,8 @@ _NONES = repeat(None)  # endless: map() stops at the shorter iterable
 
 
 def _in_other_buffer(t: torch.Tensor, own: torch.Tensor) -> bool:
-    """Whether ``t`` is a piece of a larger buffer that is not ``own``: another owner's flat buffer (a Bagua or
-    torch DDP bucket), as opposed to a tensor of its own (a new gradient, ``module.to()``)."""
+    """Whether ``t`` is a piece of a larger buffer that is not ``own``: another owner's flat buffer, as opposed to
+    a tensor of its own (``module.to()``). Used for moved parameters; gradients use ``in_bucket_storage``."""
     if t.layout != torch.strided:
         return False  # a sparse gradient has no storage to share; it is stepped as itself anyway
     storage = t.untyped_storage()
