@@ -71,11 +71,13 @@ def run_workers(
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return results by rank.
 
     ``local_size`` ranks share a "node" (``LOCAL_WORLD_SIZE``), so 4 ranks with ``local_size=2`` emulate two
-    nodes of two processes each. ``env`` is added to every worker's environment.
+    nodes of two processes each. By default every rank is a node of its own, as on emulated hosts: hierarchical
+    algorithms then run their flat form (on one node of several ranks they would train the node average). ``env``
+    is added to every worker's environment.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    local_size = local_size or world_size
+    local_size = local_size or 1
     with tempfile.TemporaryDirectory(prefix="bagua-test-") as tmp:
         store_path = os.path.join(tmp, "store")
         procs = [

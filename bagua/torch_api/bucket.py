@@ -375,7 +375,7 @@ def centralized_full_precision_op(
 ) -> BucketOp:
     """Allreduce the bucket over ``group``: the operation behind gradient allreduce.
 
-    Flat: one allreduce (AVG or SUM). Hierarchical (when the group spans several nodes of several ranks):
+    Flat: one allreduce (AVG or SUM). Hierarchical (when some node holds several of the group's ranks):
     reduce to each node's leader, allreduce among leaders, broadcast inside each node; with equal ranks per
     node this equals the flat average. ``scattergather``: a reduce-scatter followed by an all-gather (the
     bucket must be padded to the group size).

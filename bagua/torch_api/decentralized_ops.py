@@ -251,6 +251,9 @@ def _ring_round_start(x: torch.Tensor, r: Replicas, c: BaguaCommunicator, tag: i
         d = torch.add(xf[a:b], r.left[a:b], alpha=1 / 3, out=r.diff[a:b])
         d.add_(r.right[a:b], alpha=1 / 3).sub_(r.mine[a:b], alpha=5 / 3)
     encode_chunks(r.diff.view(1, -1), r.wire, work=r.scratch)
+    if c.nranks() == 1:  # a lone node leader: both neighbours are itself, its message goes nowhere
+        r.received, r.works = {c.rank(): r.wire}, []
+        return
     if not r.received:  # one buffer per distinct neighbour: with two ranks, left and right are the same rank
         r.received = {p: torch.empty_like(r.wire) for p in sorted(set(ring_neighbours(c.rank(), c.nranks())))}
     r.works = start_exchange(r.wire, r.received, c, tag)
@@ -306,7 +309,8 @@ class LowPrecisionDecentralizedOp:
         hierarchical, c = self.layout()
         if hierarchical:
             hierarchy.reduce_to_leaders(self.group, flat)
-        if c.is_member() and c.nranks() > 1:
+        # a lone leader (one node) still runs the update with itself as both neighbours, as the original did
+        if c.is_member() and (c.nranks() > 1 or hierarchical):
             _ring_round_start(flat, self.replicas, c, self.tag)
         if self.pipeline is None:
             self.finish(bucket)
@@ -316,7 +320,7 @@ class LowPrecisionDecentralizedOp:
     def finish(self, bucket) -> None:
         """Step 4 of the round started on ``bucket``; then the weights are ``x̂_i``."""
         hierarchical, c = self.layout()
-        if c.is_member() and c.nranks() > 1:
+        if c.is_member() and (c.nranks() > 1 or hierarchical):
             _ring_round_finish(self.replicas, c)
         elif not hierarchical:
             return  # a group of one rank

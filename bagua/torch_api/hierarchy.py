@@ -1,10 +1,17 @@
 """Hierarchical communication, written once for every algorithm.
 
-*Hierarchical* (when a group spans several nodes with several of its ranks on some node): reduce inside each node
-to the node's leader, run the algorithm's exchange among the leaders only (the slow inter-node network carries one
-copy per node), broadcast the result from the leader inside each node. The leader of a node is rank 0 of its
-intra-node communicator (see :mod:`bagua.torch_api.process_group`), so the three steps always meet the same ranks,
-for any subgroup. Without several ranks on a node, the exchange runs over the whole group.
+*Hierarchical* (when some node holds several of a group's ranks): reduce inside each node to the node's leader,
+run the algorithm's exchange among the leaders only (the slow inter-node network carries one copy per node),
+broadcast the result from the leader inside each node. The leader of a node is rank 0 of its intra-node
+communicator (see :mod:`bagua.torch_api.process_group`), so the three steps always meet the same ranks, for any
+subgroup. With one rank per node, the exchange runs over the whole group (the flat form).
+
+On a single node of several ranks, as in the original, hierarchical mode is the node average: the leader is alone
+in its exchange, which is then the algorithm's maths for one member. For averaging exchanges (allreduce, ByteGrad,
+decentralized SGD) that is nothing, so every rank ends with the exact node average; low-precision decentralized SGD
+still runs its 8-bit update of the leader's replicas (``x̂ += D(Q(x - x̂))``, see
+:class:`~bagua.torch_api.decentralized_ops.LowPrecisionDecentralizedOp`). The original also quantized ByteGrad's
+average twice on a lone leader; here it stays exact, since nothing crosses a network.
 
 Example:
     >>> run_hierarchically(group, True, flat, lambda t, c: comm.allreduce_inplace(t, ReduceOp.AVG, c))  # doctest: +SKIP
@@ -27,7 +34,7 @@ Exchange = Callable[[torch.Tensor, BaguaCommunicator], None]
 
 
 def is_hierarchical(group: BaguaProcessGroup, hierarchical: bool) -> bool:
-    """Whether ``hierarchical`` applies to ``group`` (several nodes, several of its ranks on some node)."""
+    """Whether ``hierarchical`` applies to ``group`` (several of its ranks on some node)."""
     return hierarchical and group.is_hierarchical_possible()
 
 

@@ -248,10 +248,14 @@ class BaguaProcessGroup:
         return self._layout
 
     def is_hierarchical_possible(self) -> bool:
-        """Whether the group spans several nodes with more than one of its ranks on some node."""
+        """Whether some node holds more than one of the group's ranks (one node of several ranks included).
+
+        Hierarchical mode then reduces inside each node first, as in the original: on one node the exchange runs
+        on the node's leader alone. With one rank per node it is the flat form.
+        """
         layout = self.node_layout()
         nodes = {n for n, _ in layout}
-        return 1 < len(nodes) < len(layout)
+        return len(nodes) < len(layout)
 
     def node_leaders(self) -> list[int]:
         """The global rank of each node's leader (the group's lowest rank on that node), by node."""
@@ -269,8 +273,8 @@ class BaguaProcessGroup:
             by_node.setdefault(world_layout[r][0], []).append(r)
         me = dist.get_rank()
         if not self.is_hierarchical_possible():
-            # One node (or one rank per node): the intra communicator is the whole group and the inter one holds
-            # the leader alone, so hierarchical algorithms reduce to their flat form.
+            # One rank per node (or a group of one): hierarchical algorithms take their flat form, so the intra
+            # communicator (never used) is the whole group and the inter one holds the first rank alone.
             self._intra = BaguaCommunicator(self.group, self.ranks, self.stream)
             self._inter = BaguaCommunicator(None, self.ranks[:1], self.stream)
             return

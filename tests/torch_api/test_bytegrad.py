@@ -132,7 +132,8 @@ def _worker_parity(rank, world_size, hierarchical, error_feedback, small_segment
             if local > 1:  # nodes of `local` ranks: float32 average inside the node, ByteGrad among nodes
                 nodes = [flats[k * local : (k + 1) * local] for k in range(world_size // local)]
                 flats = [(node[0] + node[1]) / 2 if average else node[0] + node[1] for node in nodes]
-            result = ref(b, flats, average)
+            # one node: the leader is alone in the exchange and the node average stays exact (no 8-bit round trip)
+            result = ref(b, flats, average) if len(flats) > 1 else flats[0]
             offset = 0
             for n in names:
                 p = ref_params[n]
@@ -157,6 +158,7 @@ def _worker_parity(rank, world_size, hierarchical, error_feedback, small_segment
         (2, False, False, True, 1024, True, True),  # the same, gradients read in place (no copy into the bucket)
         (2, False, True, False, None, False, True),  # error feedback (residuals carried over steps), sum
         (4, False, False, False, 2048, True, True),
+        (2, True, False, False, None, False, False),  # one node: the node sum, exact
         (4, True, False, True, None, True, True),  # two nodes of two ranks
         (4, True, True, False, None, True, False),
     ],

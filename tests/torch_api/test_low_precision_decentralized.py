@@ -62,7 +62,7 @@ def _train_reference(rank, world_size, local_size, layout, interval, hierarchica
     params = dict(model.named_parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     nodes = world_size // local_size
-    grouped = hierarchical and 1 < nodes < world_size
+    grouped = hierarchical and nodes < world_size  # one node included: its leader alone runs the round
     n = nodes if grouped else world_size
     me = rank // local_size if grouped else rank
 
@@ -83,7 +83,7 @@ def _train_reference(rank, world_size, local_size, layout, interval, hierarchica
             dist.all_gather(xs, mine)
             if grouped:
                 xs = [sum(xs[k * local_size : (k + 1) * local_size]) / local_size for k in range(nodes)]
-            new = sim.round(xs)[me] if n > 1 else xs[me]
+            new = sim.round(xs)[me] if n > 1 or grouped else xs[me]
             offset = 0
             with torch.no_grad():
                 for name in names:
@@ -124,7 +124,8 @@ def _worker_parity(rank, world_size, local_size, configs):
 
 PARITY = [
     # world, local_size, [(bucket size in bytes or None for the default, interval, hierarchical, flatten)]
-    (2, 2, [(None, 1, True, True), (None, 2, True, False), (2048, 1, True, True)]),  # 2048: several buckets
+    # one node: hierarchical is the node average, then the leader's 8-bit round with itself as both neighbours
+    (2, 2, [(None, 1, True, True), (None, 2, False, False), (2048, 1, True, True)]),  # 2048: several buckets
     (4, 4, [(None, 1, True, True), (None, 3, False, True)]),
     (4, 2, [(4096, 1, True, True), (4096, 1, False, False)]),  # ring over 2 nodes, and over 4 ranks
 ]
@@ -137,8 +138,11 @@ def test_matches_ring_simulation(world_size, local_size, configs):
         for config, (expected, got, n_buckets) in zip(configs, per_config):
             assert_close(got, expected, rtol=0, atol=0, msg=lambda m: f"{config} rank {rank}: {m}")
             assert (n_buckets > 1) == (config[0] is not None)
-    # decentralized, not synchronous: the first and the last peer end with different weights
-    assert not all(torch.equal(a, b) for a, b in zip(results[0][0][1], results[-1][0][1]))
+    # decentralized, not synchronous: the first and the last peer end with different weights, except where
+    # hierarchical mode on one node broadcasts the leader's weights to every rank
+    for i, config in enumerate(configs):
+        same = all(torch.equal(a, b) for a, b in zip(results[0][i][1], results[-1][i][1]))
+        assert same == (config[2] and local_size == world_size), config
 
 
 def _worker_param_outside_optimizer(rank, world_size):

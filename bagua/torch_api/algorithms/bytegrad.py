@@ -13,9 +13,9 @@ Bagua paper: https://arxiv.org/abs/2107.01499. With ``n`` ranks in the communica
 Every element is therefore quantized twice, and every rank ends with the same bytes, hence the same gradient.
 Each chunk travels as segments of at most :data:`SEGMENT` elements, each sent as soon as it is encoded (every
 segment repeats its chunk's min/max header, so the codes are exactly those of the whole chunk): encoding, the
-network and decoding overlap; the chunks that travel are encoded before the rank's own. Hierarchical (a group
-spanning several nodes of several ranks): a float32 intra-node reduce (average) to each node's leader, the steps
-above among the leaders, an intra-node broadcast.
+network and decoding overlap; the chunks that travel are encoded before the rank's own. Hierarchical (some node holds
+several of the group's ranks): a float32 intra-node reduce (average) to each node's leader, the steps above among
+the leaders, an intra-node broadcast. On one node the leader is alone and the result is the exact node average.
 
 Error feedback (``error_feedback=True``, after EF-SGD, https://arxiv.org/abs/1901.09847, and its two-sided
 form DoubleSqueeze, https://arxiv.org/abs/1905.05957): each rank keeps ``e`` (one value per bucket element) and

@@ -15,8 +15,10 @@ Two algorithms, as in the original Bagua:
   ranks of a ring exchange 8-bit MinMaxUInt8 *differences* and keep public replicas ``x̂`` of themselves and of
   both neighbours, so only one byte per weight crosses the network.
 
-*Hierarchical* (both, when the group spans several nodes of several ranks): average inside each node, run the
-exchange among node leaders (so the peers are nodes), broadcast the result inside each node.
+*Hierarchical* (both, when some node holds several of the group's ranks): average inside each node, run the
+exchange among node leaders (so the peers are nodes), broadcast the result inside each node. On one node, as in
+the original, that is the node average (the leader has no peer); ``hierarchical=False`` runs the peer exchange
+between the node's ranks.
 """
 
 from __future__ import annotations

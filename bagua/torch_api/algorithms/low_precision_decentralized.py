@@ -163,7 +163,8 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     Every parameter must belong to one of the optimizers given to ``with_bagua``.
 
     Args:
-        hierarchical: average inside each node first and run the ring among node leaders.
+        hierarchical: average inside each node first and run the ring among node leaders (on one node the
+            leader runs the 8-bit update with itself as both neighbours, as in the original).
         communication_interval: communicate every that many steps.
 
     Example:
