@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -28,7 +29,9 @@ from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
 
 __all__ = ["is_hierarchical", "exchange_communicator", "reduce_to_leaders", "broadcast_from_leaders",
-           "run_hierarchically"]
+           "run_hierarchically", "log_if_one_node"]
+
+logger = logging.getLogger(__name__)
 
 Exchange = Callable[[torch.Tensor, BaguaCommunicator], None]
 
@@ -36,6 +39,18 @@ Exchange = Callable[[torch.Tensor, BaguaCommunicator], None]
 def is_hierarchical(group: BaguaProcessGroup, hierarchical: bool) -> bool:
     """Whether ``hierarchical`` applies to ``group`` (several of its ranks on some node)."""
     return hierarchical and group.is_hierarchical_possible()
+
+
+def log_if_one_node(group: BaguaProcessGroup, hierarchical: bool, algorithm: str) -> None:
+    """Warn (on the group's first rank) that a decentralized ``algorithm`` trains the node average: hierarchical
+    mode on a single node, where the leader has no peer."""
+    one_node = len({n for n, _ in group.node_layout()}) == 1
+    if is_hierarchical(group, hierarchical) and one_node and group.rank() == 0:
+        logger.warning(
+            "%s with hierarchical=True on one node of %d ranks: the ranks average inside the node and have no peer "
+            "to exchange with (the original's behaviour); pass hierarchical=False for peer exchange between them",
+            algorithm, group.size(),
+        )
 
 
 def exchange_communicator(group: BaguaProcessGroup, hierarchical: bool) -> BaguaCommunicator:

@@ -13,7 +13,8 @@ gloo sums four numbers in an order of its own (measured: 6e-8 after 6 SGD steps,
 On one node, ``hierarchical=True`` (the default) is the original's: the node average, the leader alone in the
 exchange, so every mode leaves every rank with the node average.
 
-Also: ``all`` leaves every rank with identical weights after the copy-back; shift_one with an odd number of
+Also: ``all`` (and hierarchical mode on one node, which warns on rank 0 that it trains the node average) leaves
+every rank with identical weights after the copy-back; shift_one with an odd number of
 peers fails on every rank with a message naming the fix; on the digits data set decentralized SGD ends within
 2 accuracy points of gradient allreduce.
 """
@@ -102,9 +103,15 @@ def _train_bagua(rank, mode, interval, hierarchical, flatten, steps=STEPS):
 
 
 def _worker_parity(rank, world_size, local_size, configs):
+    import logging
+
     from bagua.torch_api import decentralized_ops
 
     decentralized_ops.P2P_SEGMENT = 256  # every exchange travels in several interleaved pieces
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("bagua.torch_api.hierarchy").addHandler(handler)
     out = []
     for mode, interval, hierarchical, flatten, _tol in configs:
         expected = _train_reference(rank, world_size, local_size, mode, interval, hierarchical)
@@ -116,7 +123,7 @@ def _worker_parity(rank, world_size, local_size, configs):
         while (model.bagua_ddp.bagua_train_step_counter) % interval != 0:
             model(x)  # a forward without backward: advances the step counter, its exchange is discarded
         torch.nn.functional.mse_loss(model(x), y).backward()
-        out.append((expected, got, params_of(model)))
+        out.append((expected, got, params_of(model), len(warnings)))
     return out
 
 
@@ -137,7 +144,10 @@ def test_matches_plain_tensor_reference(world_size, local_size, configs):
     results = run_workers(_worker_parity, world_size, local_size, configs, local_size=local_size)
     for i, (mode, *_rest, tol) in enumerate(configs):
         for rank, per_config in enumerate(results):
-            expected, got, _ = per_config[i]
+            expected, got, _, warned = per_config[i]
+            # hierarchical on one node says, on the group's first rank, that it trains the node average
+            hierarchical_one_node = [c[2] and local_size == world_size for c in configs[: i + 1]]
+            assert warned == (sum(hierarchical_one_node) if rank == 0 else 0), (configs[i][:4], rank)
             assert_close(got, expected, **tol, msg=lambda m: f"{configs[i][:4]} rank {rank}: {m}")
         if mode == "all" or (configs[i][2] and local_size == world_size):  # the global or the node average
             after_copy_back = [per_config[i][2] for per_config in results]

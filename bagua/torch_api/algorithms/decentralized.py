@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from bagua.torch_api import hierarchy
 from bagua.torch_api.algorithms._checks import check_bool, check_choice, check_int
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
@@ -218,6 +219,7 @@ class DecentralizedAlgorithm(Algorithm):
                 "use an even number of ranks/nodes, peer_selection_mode='all' or 'ring'"
                 + (", or hierarchical=False" if what.startswith("nodes") else "")
             )
+        hierarchy.log_if_one_node(process_group, self.hierarchical, "DecentralizedAlgorithm")
         return DecentralizedAlgorithmImpl(
             process_group,
             hierarchical=self.hierarchical,

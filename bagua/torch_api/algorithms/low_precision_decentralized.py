@@ -11,6 +11,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from bagua.torch_api import hierarchy
 from bagua.torch_api.algorithms.decentralized import _check_interval, _weight_tensors
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
 from bagua.torch_api.bucket import BaguaBucket
@@ -180,6 +181,7 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         _check_interval(self.communication_interval, self.hierarchical, "LowPrecisionDecentralizedAlgorithm")
 
     def reify(self, process_group: BaguaProcessGroup) -> LowPrecisionDecentralizedAlgorithmImpl:
+        hierarchy.log_if_one_node(process_group, self.hierarchical, "LowPrecisionDecentralizedAlgorithm")
         return LowPrecisionDecentralizedAlgorithmImpl(
             process_group, hierarchical=self.hierarchical, communication_interval=self.communication_interval
         )
