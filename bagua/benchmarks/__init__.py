@@ -8,8 +8,13 @@
 - :mod:`bagua.benchmarks.network`: the suite (hosts x bandwidths x models x systems);
 - :mod:`bagua.benchmarks.report` and :mod:`bagua.benchmarks.plots`: table, JSON, CSV and PNG plots.
 - :mod:`bagua.benchmarks.cost_model`: a step-time model calibrated on the runs, and the paper's scale on paper.
+  Its parts: :mod:`bagua.benchmarks.cost_equations` (the equations), :mod:`bagua.benchmarks.cost_calibration`
+  (the fit) and :mod:`bagua.benchmarks.cost_paper` (the paper's setting).
 
 See docs/benchmarks.md for the commands and the latest results.
 """
 
-__all__ = ["cost_model", "gpt", "netns", "network", "plots", "report", "resnet", "to_target", "workload"]
+__all__ = [
+    "cost_calibration", "cost_equations", "cost_model", "cost_paper", "gpt", "netns", "network", "plots", "report",
+    "resnet", "to_target", "workload",
+]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -122,7 +123,7 @@ def _synthetic_cases(fit: cm.Fit) -> list[cm.Case]:
                     case = cm.Case("synthetic", model, hosts, str(rate), system, rate, 2, compute, codec, 8e9,
                                    1.0, None)
                     step = cm.predict_case(case, fit).step_s
-                    cases.append(cm.replace(case, step_s=step))
+                    cases.append(replace(case, step_s=step))
     return cases
 
 

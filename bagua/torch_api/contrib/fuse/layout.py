@@ -12,31 +12,26 @@ Words used here and in :mod:`bagua.torch_api.contrib.fuse.optimizer`:
   A *found* segment (``do_flatten=False``) is memory that was already contiguous; when it breaks, it is found
   again from scratch.
 
-Owned flat buffers of at least :data:`HUGE_PAGES_MIN_BYTES` on CPU are allocated by :func:`flat_buffer` on
-transparent huge pages where Linux allows it: a fused step streams every buffer once per step, and with 4 KiB pages
-that costs a TLB miss per 4 KiB of every stream.
+Flat buffers are allocated by :func:`flat_buffer` (:mod:`bagua.torch_api.contrib.fuse.buffers`, on huge pages
+where Linux allows) and gradients are copied in by :func:`install_grads` (:mod:`bagua.torch_api.contrib.fuse.grads`);
+both modules' names are re-exported here.
 
 Everything here is plain tensor bookkeeping; the decision of what to step together lives in ``optimizer.py``.
 """
 
 from __future__ import annotations
 
-import mmap
-import operator
-import os
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
 import torch
 
+from bagua.torch_api.contrib.fuse.buffers import HUGE_PAGES_MIN_BYTES, flat_buffer, huge_pages_enabled
+from bagua.torch_api.contrib.fuse.grads import copy_grads, copy_many, copy_ranges, install_grads
+
 __all__ = ["Segment", "fits_flat", "adjacent", "mutual_runs", "flatten_params", "find_segments", "adopt",
            "install_grads", "copy_ranges", "copy_grads", "copy_many", "state_buffer", "flat_buffer",
            "huge_pages_enabled", "HUGE_PAGES_MIN_BYTES"]
-
-HUGE_PAGES_MIN_BYTES = 4 << 20  # smaller buffers gain little and would waste up to a 2 MiB page each
-_HUGE_PAGE = 2 << 20
-_THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
-_thp_mode: str | None = None
 
 
 @dataclass(eq=False)
@@ -75,48 +70,6 @@ class Segment:
         """Return the view of ``flat`` that belongs to ``params[i]``, shaped like it."""
         a, b = self.offsets[i], self.offsets[i + 1]
         return flat[a:b].view(self.params[i].shape)
-
-
-def huge_pages_enabled() -> bool:
-    """Return whether :func:`flat_buffer` puts large CPU buffers on transparent huge pages.
-
-    True on Linux when the kernel's THP mode is ``always`` or ``madvise`` and the environment variable
-    ``BAGUA_FUSE_HUGE_PAGES`` is not ``0`` (read at every call, so it can be switched off at run time).
-    """
-    global _thp_mode
-    if os.environ.get("BAGUA_FUSE_HUGE_PAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return False
-    if _thp_mode is None:
-        try:
-            with open(_THP_ENABLED) as f:
-                text = f.read()
-            _thp_mode = text[text.index("[") + 1 : text.index("]")]
-        except (OSError, ValueError):
-            _thp_mode = "never"
-    return _thp_mode in ("always", "madvise")
-
-
-def flat_buffer(numel: int, dtype: torch.dtype, device: torch.device, zero: bool = True) -> torch.Tensor:
-    """Return a new 1-D buffer of ``numel`` elements (zeros when ``zero``; with huge pages always zeros).
-
-    On CPU, a buffer of at least :data:`HUGE_PAGES_MIN_BYTES` is an anonymous private mapping advised
-    ``MADV_HUGEPAGE`` before its first touch, starting on a 2 MiB boundary, when :func:`huge_pages_enabled`. The
-    tensor keeps the mapping alive; it is unmapped with the last tensor that uses it. Its storage cannot be
-    resized. Elsewhere, or when the mapping fails, it is ``torch.zeros`` / ``torch.empty``.
-    """
-    device = torch.device(device)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    nbytes = numel * itemsize
-    if device.type == "cpu" and nbytes >= HUGE_PAGES_MIN_BYTES and huge_pages_enabled():
-        try:
-            region = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            region.madvise(mmap.MADV_HUGEPAGE)
-            raw = torch.frombuffer(region, dtype=torch.uint8)
-            start = -raw.data_ptr() % _HUGE_PAGE
-            return raw[start : start + nbytes].view(dtype)
-        except (OSError, ValueError, RuntimeError, AttributeError):
-            pass  # no mmap/madvise here: an ordinary allocation
-    return (torch.zeros if zero else torch.empty)(numel, dtype=dtype, device=device)
 
 
 def fits_flat(p: torch.Tensor) -> bool:
@@ -227,126 +180,6 @@ def flatten_params(params: list[torch.Tensor], state: dict) -> list[Segment]:
                 adopt(seg, i, state.get(p))
         segments.append(seg)
     return segments
-
-
-def install_grads(
-    seg: Segment, indices: list[int], grads: Optional[list[torch.Tensor]] = None, repoint: bool = False
-) -> list[int]:
-    """Copy the gradients of ``params[indices]`` into the flat gradient; point ``.grad`` at the views it kept.
-
-    This is the path of every step after ``zero_grad()`` (``set_to_none=True``, the default): autograd made a new
-    tensor for each gradient. The copies are issued in a few calls (:func:`copy_grads`), not one ``copy_`` per
-    tensor: with 2000 small gradients the per-call dispatch cost as much as the copying. A gradient is re-pointed at
-    its view only when the same tensor was copied at the previous step too (the user keeps gradient tensors across
-    steps: ``zero_grad(set_to_none=False)``, or a first step after a plain backward): a gradient that ``zero_grad()``
-    will drop anyway is not worth the 0.7 us per parameter. ``seg.grad_ids`` remembers the ids copied; an id
-    reused by a new tensor only re-points once more, which is always correct. ``repoint=True`` re-points all;
-    ``grads``, when given, are the parameters' ``.grad`` (none of them None) already read by the caller.
-
-    Returns:
-        The indices whose gradient does not fit (sparse, or another dtype under ``grad_dtype``); they are untouched.
-    """
-    params, views, last = seg.params, seg.grad_views, seg.grad_ids
-    dtype, strided = seg.flat_grad.dtype, torch.strided
-    if grads is None:
-        grads = [params[i].grad for i in indices]
-    # the .grad setter and autograd already enforce the parameter's shape and device; whether every gradient is
-    # dense and of the parameter's dtype is told by two passes in C
-    misfits = []
-    if set(map(_DTYPE, grads)) != {dtype} or set(map(_LAYOUT, grads)) != {strided}:
-        ok = [g.layout is strided and g.dtype is dtype for g in grads]
-        misfits = [i for i, good in zip(indices, ok) if not good]
-        indices = [i for i, good in zip(indices, ok) if good]
-        grads = [g for g, good in zip(grads, ok) if good]
-    if not indices:
-        return misfits
-    with torch.no_grad():
-        copy_grads(seg, indices, grads)
-    ids = list(map(id, grads))
-    again = [True] * len(ids) if repoint else list(map(operator.eq, ids, map(last.__getitem__, indices)))
-    if len(indices) == len(params) and not any(again):
-        last[:] = ids  # the common case: every gradient is new, none is re-pointed
-        return misfits
-    for i, k, same in zip(indices, ids, again):
-        if same:
-            params[i].grad = views[i]
-            seg.installed[i] = True
-        else:
-            last[i] = k
-    return misfits
-
-
-_DTYPE = operator.attrgetter("dtype")
-_LAYOUT = operator.attrgetter("layout")
-
-
-def copy_ranges(
-    params: list[torch.Tensor], offsets: list[int], flat_grad: torch.Tensor
-) -> list[tuple[int, int, Optional[torch.Tensor]]]:
-    """Cut ``0..len(params)`` into ranges for copying all gradients in: ``(i, j, out)`` per range.
-
-    ``out`` is set where parameters ``i..j-1`` (at least two) have equal sizes after the first dimension: the
-    gradients are then copied by one ``torch.cat(grads[i:j], out=out)`` into ``out``, the flat gradient's range
-    viewed as ``(rows, *sizes)``. ``out`` is None for a range of other parameters, copied by :func:`copy_many`.
-    One ``cat`` of 64 gradients of 64x64 took 0.37 us per gradient on one CPU core, ``torch._foreach_copy_`` 0.62
-    us, and ``cat`` of even two tensors costs less than copying them.
-
-    Example:
-        >>> ps = [torch.zeros(2, 3), torch.zeros(4, 3), torch.zeros(5), torch.zeros(3, 2)]
-        >>> [(i, j, out is not None) for i, j, out in copy_ranges(ps, [0, 6, 18, 23, 29], torch.zeros(29))]
-        [(0, 2, True), (2, 4, False)]
-    """
-    tails = [tuple(p.shape[1:]) for p in params]
-    ranges: list[tuple[int, int, Optional[torch.Tensor]]] = []
-    i, m = 0, len(params)
-    while i < m:
-        j = i + 1
-        while j < m and tails[j] == tails[i]:
-            j += 1
-        if j - i > 1:
-            ranges.append((i, j, flat_grad[offsets[i] : offsets[j]].view(-1, *tails[i])))
-        elif ranges and ranges[-1][2] is None:
-            ranges[-1] = (ranges[-1][0], j, None)
-        else:
-            ranges.append((i, j, None))
-        i = j
-    return ranges
-
-
-def copy_grads(seg: Segment, indices: list[int], grads: list[torch.Tensor]) -> None:
-    """Copy ``grads`` (of ``params[indices]``, in increasing order) into their views of the flat gradient.
-
-    Every gradient (the common case after ``zero_grad()``): one call per range of ``seg.copy_ranges``. The copies
-    go in the order of the gradients' addresses (first to last parameter, or last to first, told by the first
-    and last gradient): tensors that the allocator handed out one after the other are then read in increasing
-    addresses, which made copying 2000 gradients of 64x64 on one CPU core 0.4-0.8 ms faster than the other order.
-    """
-    views = seg.grad_views
-    backwards = grads[0].data_ptr() > grads[-1].data_ptr()
-    if len(indices) != len(seg.params):
-        order = range(len(indices) - 1, -1, -1) if backwards else range(len(indices))
-        copy_many([views[indices[k]] for k in order], [grads[k] for k in order])
-        return
-    for i, j, out in reversed(seg.copy_ranges) if backwards else seg.copy_ranges:
-        if out is None:
-            copy_many(views[i:j], grads[i:j])
-        else:
-            torch.cat(grads[i:j], out=out)
-
-
-def copy_many(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``d.copy_(s)`` for every pair (same shapes, dtypes and devices), in one call where torch offers one.
-
-    ``torch._foreach_copy_`` is the one non-public function used here (torch's own optimizers and
-    ``clip_grad_norm_`` use the ``_foreach`` family): it loops in C++, which made copying 2000 fresh 64x64
-    gradients 1.8 ms faster than a Python loop of ``copy_`` on one CPU core. Without it, the loop is used.
-    """
-    foreach_copy = getattr(torch, "_foreach_copy_", None)
-    if foreach_copy is not None:
-        foreach_copy(dst, src)
-        return
-    for d, s in zip(dst, src):
-        d.copy_(s)
 
 
 def state_buffer(seg: Segment, key: Hashable, value: torch.Tensor, scalar: bool) -> Optional[torch.Tensor]:
