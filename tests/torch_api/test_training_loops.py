@@ -9,6 +9,11 @@ the same order (fp32 with a power-of-two loss scale is exact: scaling by 2^k com
 gradients; a step missed or applied twice moves the weights by ``lr``-sized amounts, far beyond it); QAdam, whose
 Adam step has a size of about ``lr`` whatever the gradient's, within ``2*lr`` per compressed step and a median
 within ``1e-3``.
+
+Spawning a job costs seconds, so the algorithms (or modes) of a parametrized test train one after another in one
+job of worker processes, run once per module by a fixture; each engine is closed before the next configuration
+starts, and each parametrized case asserts its own configuration's results. Async model averaging, whose
+background thread outlives the training loop, keeps jobs of its own.
 """
 
 from __future__ import annotations
@@ -42,6 +47,24 @@ def _algorithm(name, model, lr=0.05):
     return opt, Algorithm.init(name, **kwargs)
 
 
+def _release(*modules):
+    """Close each module's engine (hooks, communication thread, the algorithm's threads and state): the workers
+    below train several configurations in turn in the same processes, and none may act on the next one."""
+    for module in modules:
+        module.bagua_ddp.close()
+
+
+def _each(configs, train):
+    """``{config: train(*config)}``, in order, in this worker; an error names the configuration it came from."""
+    out = {}
+    for config in configs:
+        try:
+            out[config] = train(*config)
+        except Exception as exc:
+            raise RuntimeError(f"configuration {config}") from exc
+    return out
+
+
 # -- AMP: GradScaler skips an overflowing step on every rank ----------------------------------------------------
 
 BAD_STEP = 3
@@ -70,26 +93,41 @@ def _worker_grad_scaler(rank, world_size, name, use_scaler):
             scales.append(scaler.get_scale())
     if name == "async":
         model.bagua_algorithm.abort(model)
-    return params_of(model), scales
+    result = params_of(model), scales
+    _release(model)
+    return result
+
+
+def _worker_grad_scaler_all(rank, world_size):
+    """Every deterministic algorithm with and without the scaler, then torch DDP with it (one job)."""
+    runs = _each([(name, use_scaler) for name in DETERMINISTIC for use_scaler in (True, False)],
+                 lambda name, use_scaler: _worker_grad_scaler(rank, world_size, name, use_scaler))
+    runs["ddp"] = _worker_ddp_grad_scaler(rank, world_size)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def grad_scaler_runs():
+    return run_workers(_worker_grad_scaler_all, 2, timeout=240)
 
 
 @pytest.mark.parametrize("name", DETERMINISTIC)
-def test_grad_scaler_skips_the_overflowing_step_on_every_rank(name):
-    scaled = run_workers(_worker_grad_scaler, 2, name, True)
-    plain = run_workers(_worker_grad_scaler, 2, name, False)
+def test_grad_scaler_skips_the_overflowing_step_on_every_rank(grad_scaler_runs, name):
+    scaled = [runs[name, True] for runs in grad_scaler_runs]
+    plain = [runs[name, False] for runs in grad_scaler_runs]
     for rank in range(2):
         weights, scales = scaled[rank]
         # the scale halves once, at the bad step, identically on every rank
-        assert scales == [2.0**10] * BAD_STEP + [2.0**9] * (6 - BAD_STEP), (rank, scales)
+        assert scales == [2.0**10] * BAD_STEP + [2.0**9] * (6 - BAD_STEP), (name, rank, scales)
         for got, want in zip(weights, plain[rank][0]):
-            assert torch.isfinite(got).all()
+            assert torch.isfinite(got).all(), f"{name}: rank {rank}"
             if name in ("bytegrad", "qadam"):  # 8-bit codes of scaled gradients may round the other way
-                assert_close(got, want, rtol=0, atol=1e-3)
+                assert_close(got, want, rtol=0, atol=1e-3, msg=lambda m: f"{name}: rank {rank}: {m}")
             else:
                 assert torch.equal(got, want), f"{name}: rank {rank} differs from the loop without the bad step"
     if name in SYNC:
         for a, b in zip(scaled[0][0], scaled[1][0]):
-            assert torch.equal(a, b)
+            assert torch.equal(a, b), f"{name}: the ranks differ"
 
 
 def test_grad_scaler_with_async_averaging_keeps_training():
@@ -117,9 +155,9 @@ def _worker_ddp_grad_scaler(rank, world_size):
     return params_of(model)
 
 
-def test_grad_scaler_gradient_allreduce_equals_torch_ddp():
-    ddp = run_workers(_worker_ddp_grad_scaler, 2)
-    bagua = run_workers(_worker_grad_scaler, 2, "gradient_allreduce", True)
+def test_grad_scaler_gradient_allreduce_equals_torch_ddp(grad_scaler_runs):
+    ddp = [runs["ddp"] for runs in grad_scaler_runs]
+    bagua = [runs["gradient_allreduce", True] for runs in grad_scaler_runs]
     for rank in range(2):
         for got, want in zip(bagua[rank][0], ddp[rank]):
             assert_close(got, want, rtol=1e-5, atol=1e-6)
@@ -146,13 +184,13 @@ def _worker_two_models(rank, world_size, name, together):
     if together:
         opt, algorithm = _algorithm(name, pair)
         pair.with_bagua([opt], algorithm)
-        opts = [opt]
+        opts, wrapped = [opt], [pair]
     else:
         opt_g, alg_g = _algorithm(name, pair.g)
         opt_d, alg_d = _algorithm(name, pair.d)
         pair.g.with_bagua([opt_g], alg_g)
         pair.d.with_bagua([opt_d], alg_d)
-        opts = [opt_g, opt_d]
+        opts, wrapped = [opt_g, opt_d], [pair.g, pair.d]
     for step in range(5):
         z = torch.randn(8, 6, generator=torch.Generator().manual_seed(rank * 31 + step))
         for o in opts:
@@ -160,28 +198,43 @@ def _worker_two_models(rank, world_size, name, together):
         pair(z).square().mean().backward()  # D(G(z)).backward(): both models' buckets in one backward
         for o in opts:
             o.step()
-    return params_of(pair)
+    result = params_of(pair)
+    _release(*wrapped)
+    return result
 
 
-@pytest.mark.parametrize("name", SYNC + ["decentralized"])
-def test_two_models_in_one_backward_match_one_module(name):
-    apart = run_workers(_worker_two_models, 2, name, False)
-    together = run_workers(_worker_two_models, 2, name, True)
+TWO_MODELS = SYNC + ["decentralized"]
+
+
+def _worker_two_models_all(rank, world_size):
+    return _each([(name, together) for name in TWO_MODELS for together in (False, True)],
+                 lambda name, together: _worker_two_models(rank, world_size, name, together))
+
+
+@pytest.fixture(scope="module")
+def two_models_runs():
+    return run_workers(_worker_two_models_all, 2, timeout=240)
+
+
+@pytest.mark.parametrize("name", TWO_MODELS)
+def test_two_models_in_one_backward_match_one_module(two_models_runs, name):
+    apart = [runs[name, False] for runs in two_models_runs]
+    together = [runs[name, True] for runs in two_models_runs]
     if name != "decentralized":  # synchronous algorithms: every rank holds the same weights, bit for bit
         for a, b in zip(apart[0], apart[1]):
-            assert torch.equal(a, b)
+            assert torch.equal(a, b), f"{name}: the ranks differ"
     exact = name in ("gradient_allreduce", "decentralized")  # fp32 sums of two numbers: layout-independent
     for rank in range(2):
         for got, want in zip(apart[rank], together[rank]):
             if exact:
-                assert torch.equal(got, want)
+                assert torch.equal(got, want), f"{name}: rank {rank}"
             elif name == "bytegrad":  # 8-bit rounding of differently laid out chunks, then SGD steps of lr=0.05
-                assert_close(got, want, rtol=0, atol=1e-3)
+                assert_close(got, want, rtol=0, atol=1e-3, msg=lambda m: f"{name}: rank {rank}: {m}")
             else:  # QAdam: Adam moves a weight by about lr=0.01 per step whatever the gradient's size, so a
                 # rounding that flips a tiny momentum's sign can move one weight by up to 2*lr in each of the 3
                 # compressed steps (seen: 0.0107 on one of 240 weights); the typical weight must agree far closer
-                assert_close(got, want, rtol=0, atol=2 * 0.01 * 3)
-                assert (got - want).abs().median() <= 1e-3
+                assert_close(got, want, rtol=0, atol=2 * 0.01 * 3, msg=lambda m: f"{name}: rank {rank}: {m}")
+                assert (got - want).abs().median() <= 1e-3, f"{name}: rank {rank}"
 
 
 # -- the user's own collectives between forward and backward -------------------------------------------------------
@@ -207,19 +260,35 @@ def _worker_user_collectives(rank, world_size, name, with_user_collectives):
         opt.step()
     if name == "async":
         model.bagua_algorithm.abort(model)
-    return params_of(model), logged
+    result = params_of(model), logged
+    _release(model)
+    return result
+
+
+def _worker_user_collectives_all(rank, world_size):
+    return _each([(name, mixed) for name in DETERMINISTIC for mixed in (True, False)],
+                 lambda name, mixed: _worker_user_collectives(rank, world_size, name, mixed))
+
+
+@pytest.fixture(scope="module")
+def user_collectives_runs():
+    return run_workers(_worker_user_collectives_all, 2, timeout=240)
 
 
 @pytest.mark.parametrize("name", DETERMINISTIC + ["async"])
-def test_user_collectives_never_mix_with_bagua(name):
-    mixed = run_workers(_worker_user_collectives, 2, name, True)
-    assert mixed[0][1] == mixed[1][1]  # every rank logged the same summed loss
+def test_user_collectives_never_mix_with_bagua(request, name):
+    if name == "async":  # a job of its own
+        mixed = run_workers(_worker_user_collectives, 2, name, True)
+    else:
+        runs = request.getfixturevalue("user_collectives_runs")
+        mixed = [by_config[name, True] for by_config in runs]
+    assert mixed[0][1] == mixed[1][1], name  # every rank logged the same summed loss
     if name == "async":
         return  # the background rounds are timed, not counted: only check that nothing broke
-    alone = run_workers(_worker_user_collectives, 2, name, False)
+    alone = [by_config[name, False] for by_config in runs]
     for rank in range(2):
         for got, want in zip(mixed[rank][0], alone[rank][0]):
-            assert torch.equal(got, want)
+            assert torch.equal(got, want), f"{name}: rank {rank}"
 
 
 # -- reentrant activation checkpointing -----------------------------------------------------------------------------
@@ -256,25 +325,44 @@ def _worker_checkpoint(rank, world_size, name, last, reentrant):
             opt.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             opt.step()
+        result = params_of(model)
     except RuntimeError as exc:
-        return str(exc)
-    return params_of(model)
+        result = str(exc)
+    _release(model)
+    return result
+
+
+def _worker_checkpoint_all(rank, world_size):
+    """Every synchronous algorithm in the three placements, then gradient allreduce and torch DDP with the
+    checkpointed block inside (one job)."""
+    placements = [(True, False), (False, True), (True, True)]
+    configs = [(name, last, reentrant) for name in SYNC for last, reentrant in placements]
+    runs = _each(configs + [("gradient_allreduce", False, False)],
+                 lambda name, last, reentrant: _worker_checkpoint(rank, world_size, name, last, reentrant))
+    runs["ddp"] = _worker_checkpoint_reference(rank, world_size, False)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs():
+    return run_workers(_worker_checkpoint_all, 2, timeout=240)
 
 
 @pytest.mark.parametrize("name", SYNC)
-def test_checkpointing_equals_the_plain_model_or_refuses_reentrant(name):
-    nonreentrant = run_workers(_worker_checkpoint, 2, name, True, False)
-    nested_inside = run_workers(_worker_checkpoint, 2, name, False, True)
-    nested_last = run_workers(_worker_checkpoint, 2, name, True, True)
+def test_checkpointing_equals_the_plain_model_or_refuses_reentrant(checkpoint_runs, name):
+    nonreentrant, nested_inside, nested_last = (
+        [runs[name, last, reentrant] for runs in checkpoint_runs]
+        for last, reentrant in ((True, False), (False, True), (True, True))
+    )
     # use_reentrant=False: every gradient exists when backward ends; ranks agree
     for a, b in zip(*nonreentrant):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b), f"{name}: use_reentrant=False, the ranks differ"
     # reentrant, but an outer parameter's gradient comes first: the end of backward is the outer one's
     for a, b in zip(*nested_inside):
-        assert torch.equal(a, b)
+        assert torch.equal(a, b), f"{name}: reentrant inside, the ranks differ"
     # reentrant at the end of the model: refused on every rank, with the fix named
     for message in nested_last:
-        assert isinstance(message, str) and "use_reentrant=False" in message, message
+        assert isinstance(message, str) and "use_reentrant=False" in message, (name, message)
 
 
 def _worker_checkpoint_reference(rank, world_size, reentrant):
@@ -290,13 +378,13 @@ def _worker_checkpoint_reference(rank, world_size, reentrant):
     return params_of(model)
 
 
-def test_checkpointing_gradient_allreduce_equals_ddp():
-    ddp = run_workers(_worker_checkpoint_reference, 2, False)
+def test_checkpointing_gradient_allreduce_equals_ddp(checkpoint_runs):
+    ddp = [runs["ddp"] for runs in checkpoint_runs]
     for reentrant in (False, True):
-        bagua = run_workers(_worker_checkpoint, 2, "gradient_allreduce", False, reentrant)
+        bagua = [runs["gradient_allreduce", False, reentrant] for runs in checkpoint_runs]
         for rank in range(2):
             for got, want in zip(bagua[rank], ddp[rank]):
-                assert_close(got, want, rtol=1e-5, atol=1e-6)
+                assert_close(got, want, rtol=1e-5, atol=1e-6, msg=lambda m: f"reentrant={reentrant} rank {rank}: {m}")
 
 
 # -- frozen weights and buffers at wrap time ------------------------------------------------------------------------
@@ -387,7 +475,21 @@ def _worker_hierarchical_subgroup(rank, world_size, name):
         model(torch.randn(5, 4, generator=g)).sum().backward()
         grads.append(model.weight.grad.clone())
         opt.step()
+    _release(model)
     return grads
+
+
+HIERARCHICAL = ["gradient_allreduce", "bytegrad"]
+
+
+def _worker_hierarchical_subgroup_all(rank, world_size):
+    return _each([(name,) for name in HIERARCHICAL],
+                 lambda name: _worker_hierarchical_subgroup(rank, world_size, name))
+
+
+@pytest.fixture(scope="module")
+def hierarchical_subgroup_runs():
+    return run_workers(_worker_hierarchical_subgroup_all, 4, local_size=2, timeout=240)
 
 
 def _local_gradient(rank, step):
@@ -398,17 +500,18 @@ def _local_gradient(rank, step):
     return model.weight.grad  # the gradient of a linear layer does not depend on its weights
 
 
-@pytest.mark.parametrize("name", ["gradient_allreduce", "bytegrad"])
-def test_hierarchical_on_a_subgroup_agrees_on_every_member(name):
-    results = run_workers(_worker_hierarchical_subgroup, 4, name, local_size=2)
+@pytest.mark.parametrize("name", HIERARCHICAL)
+def test_hierarchical_on_a_subgroup_agrees_on_every_member(hierarchical_subgroup_runs, name):
+    results = [runs[name,] for runs in hierarchical_subgroup_runs]
     for step in range(2):
         # node 0's mean is rank 1's gradient, node 1's the mean of ranks 2 and 3; the leaders average the nodes
         g = [_local_gradient(r, step) for r in range(4)]
         want = (g[1] + (g[2] + g[3]) / 2) / 2
         for r in (1, 2, 3):
             assert torch.equal(results[r][step], results[1][step]), (name, r)  # every member agrees exactly
-            assert_close(results[r][step], want, rtol=0, atol=1e-5 if name == "gradient_allreduce" else 0.05)
-        assert torch.equal(results[0][step], g[0])  # rank 0 is not in the group: its gradient stays local
+            assert_close(results[r][step], want, rtol=0, atol=1e-5 if name == "gradient_allreduce" else 0.05,
+                         msg=lambda m: f"{name}: rank {r} step {step}: {m}")
+        assert torch.equal(results[0][step], g[0]), name  # rank 0 is not in the group: its gradient stays local
 
 
 # -- re-bucketing keeps low-precision decentralized's replicas consistent -------------------------------------------
@@ -500,7 +603,24 @@ def _worker_several_backwards(rank, world_size, mode, use_ddp):
                 with (wrapped.no_sync() if not sync else contextlib.nullcontext()):
                     torch.nn.functional.mse_loss(wrapped(x), y).backward()
         opt.step()
-    return params_of(model)
+    result = params_of(model)
+    if not use_ddp:
+        _release(model)
+    return result
+
+
+MODES = ["retain_graph", "accumulate", "accumulate_no_sync"]
+
+
+def _worker_several_backwards_all(rank, world_size):
+    """Every mode under gradient allreduce, and under torch DDP where it is a reference (one job)."""
+    configs = [(mode, False) for mode in MODES] + [(mode, True) for mode in MODES if mode != "retain_graph"]
+    return _each(configs, lambda mode, use_ddp: _worker_several_backwards(rank, world_size, mode, use_ddp))
+
+
+@pytest.fixture(scope="module")
+def several_backwards_runs():
+    return run_workers(_worker_several_backwards_all, 2, timeout=240)
 
 
 def _several_backwards_reference(mode, world_size=2):
@@ -528,17 +648,17 @@ def _several_backwards_reference(mode, world_size=2):
     return params_of(model)
 
 
-@pytest.mark.parametrize("mode", ["retain_graph", "accumulate", "accumulate_no_sync"])
-def test_several_backwards_per_step_give_the_data_parallel_gradient(mode):
-    bagua = run_workers(_worker_several_backwards, 2, mode, False)
+@pytest.mark.parametrize("mode", MODES)
+def test_several_backwards_per_step_give_the_data_parallel_gradient(several_backwards_runs, mode):
+    bagua = [runs[mode, False] for runs in several_backwards_runs]
     want = _several_backwards_reference(mode)
     for rank in range(2):  # within rtol 1e-5: the same sums in another order
         for got, ref in zip(bagua[rank], want):
-            assert_close(got, ref, rtol=1e-5, atol=1e-6)
+            assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode}: rank {rank}: {m}")
     if mode != "retain_graph":
         # torch DDP agrees. Under retain_graph it communicates only the first backward after a forward (its ranks
         # then hold different weights), so there the maths above is the reference.
-        ddp = run_workers(_worker_several_backwards, 2, mode, True)
+        ddp = [runs[mode, True] for runs in several_backwards_runs]
         for rank in range(2):
             for got, ref in zip(bagua[rank], ddp[rank]):
-                assert_close(got, ref, rtol=1e-5, atol=1e-6)
+                assert_close(got, ref, rtol=1e-5, atol=1e-6, msg=lambda m: f"{mode}: rank {rank} against DDP: {m}")
