@@ -281,7 +281,9 @@ def _worker_job(rank, world_size, ckpt_dir):
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
-    return run_workers(_worker_job, 2, ckpt_dir, env={"BAGUA_COMM_TIMEOUT_S": "120"}, timeout=JOB_TIMEOUT_S)
+    # one node of two devices, as Lightning's Trainer(devices=2) sees it (global rank = node rank * devices + local)
+    return run_workers(_worker_job, 2, ckpt_dir, env={"BAGUA_COMM_TIMEOUT_S": "120"}, local_size=2,
+                       timeout=JOB_TIMEOUT_S)
 
 
 # -- gradient allreduce and Lightning's features -----------------------------------------------------------------
