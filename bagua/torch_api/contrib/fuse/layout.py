@@ -1,6 +1,6 @@
 """Flat storage for an optimizer's parameters, gradients and per-parameter state.
 
-Words used here and in :mod:`bagua.torch_api.contrib.fuse.optimizer`:
+Words used here and in :mod:`bagua.torch_api.contrib.fuse.optimizer` and :mod:`bagua.torch_api.contrib.fuse.fuser`:
 
 - A *segment* is a list of parameters of one param group, of one dtype and one device, that lie back to back
   in flat buffers: ``flat_param`` holds the parameters, ``flat_grad`` the gradients and ``flat_state[key]``
@@ -16,7 +16,7 @@ Flat buffers are allocated by :func:`flat_buffer` (:mod:`bagua.torch_api.contrib
 where Linux allows) and gradients are copied in by :func:`install_grads` (:mod:`bagua.torch_api.contrib.fuse.grads`);
 both modules' names are re-exported here.
 
-Everything here is plain tensor bookkeeping; the decision of what to step together lives in ``optimizer.py``.
+Everything here is plain tensor bookkeeping; the decision of what to step together lives in ``fuser.py``.
 """
 
 from __future__ import annotations
