@@ -187,7 +187,7 @@ def _port_open(host: str, port: int) -> bool:
 def test_spawned_redis_server_is_private_and_stopped():
     import redis
 
-    from bagua.torch_api.contrib.utils import redis_store
+    from bagua.torch_api.contrib.utils import redis_server, redis_store
 
     store = redis_store.RedisStore(capacity_per_node=32 * 1024**2, maxmemory_policy="allkeys-lru")
     (host,) = store.hosts
@@ -200,7 +200,7 @@ def test_spawned_redis_server_is_private_and_stopped():
                   ("bind", "protected-mode", "maxmemory", "maxmemory-policy", "save", "appendonly")}
         assert config == {"bind": "127.0.0.1", "protected-mode": "yes", "maxmemory": str(32 * 1024**2),
                           "maxmemory-policy": "allkeys-lru", "save": "", "appendonly": "no"}
-        pid = redis_store._SERVER["process"].pid
+        pid = redis_server._SERVER["process"].pid
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             assert host["password"].encode() not in f.read()  # not visible to other local users
         _exercise(store)
