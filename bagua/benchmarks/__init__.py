@@ -2,6 +2,8 @@
 
 - :mod:`bagua.benchmarks.netns`: test hosts as network namespaces joined by a bridge, tbf-shaped links, cleanup;
 - :mod:`bagua.benchmarks.workload`: the training job each host runs, and the models it can train;
+  its parts: :mod:`bagua.benchmarks.systems` (DDP variants and Bagua algorithms, wrapped and timed) and
+  :mod:`bagua.benchmarks.measurements` (compute phase, codec cost, accuracy);
 - :mod:`bagua.benchmarks.gpt`: a byte-level GPT language model on the standard library's sources;
 - :mod:`bagua.benchmarks.resnet`: a BatchNorm ResNet on scikit-learn's digits;
 - :mod:`bagua.benchmarks.to_target`: time to accuracy (``--to-target``);
@@ -15,6 +17,6 @@ See docs/benchmarks.md for the commands and the latest results.
 """
 
 __all__ = [
-    "cost_calibration", "cost_equations", "cost_model", "cost_paper", "gpt", "netns", "network", "plots", "report",
-    "resnet", "to_target", "workload",
+    "cost_calibration", "cost_equations", "cost_model", "cost_paper", "gpt", "measurements", "netns", "network",
+    "plots", "report", "resnet", "systems", "to_target", "workload",
 ]

@@ -116,7 +116,8 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict:
     ``args.max_steps`` steps have run; return this rank's result (the workload's keys plus ``to_target``)."""
     from bagua.benchmarks.netns import read_tx_bytes
     from bagua.benchmarks.models import MODELS, build_model
-    from bagua.benchmarks.workload import _codec_seconds, _step, make_system, split_system
+    from bagua.benchmarks.measurements import _codec_seconds, _step
+    from bagua.benchmarks.systems import make_system, split_system
 
     spec = MODELS[args.model]
     if args.model not in DEFAULTS:

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from bagua.benchmarks import netns, report
-from bagua.benchmarks.workload import _IntervalTimer
+from bagua.benchmarks.systems import _IntervalTimer
 
 
 def test_parse_and_format_rate():
