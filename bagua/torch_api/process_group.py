@@ -331,12 +331,12 @@ def _plain(tensor: Any) -> torch.Tensor:
 
 
 def _torch_op(op: int) -> dist.ReduceOp:
-    from bagua.torch_api.communication import _reduce_op  # communication imports this module
+    from bagua.torch_api.reduce_op import _reduce_op
 
     return _reduce_op(op)
 
 
 def _finish(tensor: torch.Tensor, op: int, n: int) -> None:
-    from bagua.torch_api.communication import _finish_avg
+    from bagua.torch_api.reduce_op import _finish_avg
 
     _finish_avg(tensor, op, n)
