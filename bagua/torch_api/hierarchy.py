@@ -44,8 +44,7 @@ def is_hierarchical(group: BaguaProcessGroup, hierarchical: bool) -> bool:
 def log_if_one_node(group: BaguaProcessGroup, hierarchical: bool, algorithm: str) -> None:
     """Warn (on the group's first rank) that a decentralized ``algorithm`` trains the node average: hierarchical
     mode on a single node, where the leader has no peer."""
-    one_node = len({n for n, _ in group.node_layout()}) == 1
-    if is_hierarchical(group, hierarchical) and one_node and group.rank() == 0:
+    if is_hierarchical(group, hierarchical) and len(group.node_leaders()) == 1 and group.rank() == 0:
         logger.warning(
             "%s with hierarchical=True on one node of %d ranks: the ranks average inside the node and have no peer "
             "to exchange with (the original's behaviour); pass hierarchical=False for peer exchange between them",

@@ -10,8 +10,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api import hierarchy
+from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.decentralized import _check_interval, _weight_tensors
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
 from bagua.torch_api.bucket import BaguaBucket
