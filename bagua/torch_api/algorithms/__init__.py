@@ -7,10 +7,18 @@
 | ``decentralized`` | :class:`~.decentralized.DecentralizedAlgorithm` | weights, with peers |
 | ``low_precision_decentralized`` | :class:`~.decentralized.LowPrecisionDecentralizedAlgorithm` | 8-bit weight differences, ring |
 | ``async`` | :class:`~.async_model_average.AsyncModelAverageAlgorithm` | weights, in a background thread |
+| ``diloco`` | :class:`~.diloco.DiLoCoAlgorithm` | weight changes every ``H`` steps, outer optimizer (Streaming: fragments, 8/4-bit) |
 | ``qadam`` | :class:`~.q_adam.QAdamAlgorithm` | Adam momentum, 8-bit, after a warmup |
 """
 
-from bagua.torch_api.algorithms import async_model_average, bytegrad, decentralized, gradient_allreduce, q_adam
+from bagua.torch_api.algorithms import (
+    async_model_average,
+    bytegrad,
+    decentralized,
+    diloco,
+    gradient_allreduce,
+    q_adam,
+)
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 
 __all__ = [
@@ -20,6 +28,7 @@ __all__ = [
     "async_model_average",
     "bytegrad",
     "decentralized",
+    "diloco",
     "gradient_allreduce",
     "q_adam",
 ]

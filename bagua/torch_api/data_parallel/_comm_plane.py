@@ -11,14 +11,16 @@ from __future__ import annotations
 import threading
 import weakref
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
 from bagua.torch_api.process_group import BaguaProcessGroup
 
-__all__ = ["private_group", "enable_multistream_like", "CommWorker", "register_engine"]
+__all__ = ["private_group", "enable_multistream_like", "CommWorker", "CommJob", "register_engine"]
 
 _engine_count = 0  # private groups created in this process; the same on every rank, since wrapping is collective
 _private_groups: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -98,6 +100,61 @@ class CommWorker:
             self._cv.notify()
         if join_timeout_s is not None:
             self._thread.join(join_timeout_s)
+
+
+class CommJob:
+    """A function running on a :class:`CommWorker`, ordered after the main thread's CUDA work queued so far.
+
+    :meth:`wait` returns once it has finished (its CUDA work included, for the caller's stream), raising a
+    ``RuntimeError`` that names the rank and ``what`` when it failed or did not finish within the timeout.
+
+    Args:
+        worker: the thread to run on.
+        fn: the function.
+        what: what it does, for error messages ("DiLoCo exchange of fragment 0 of model M").
+        cuda: whether ``fn`` touches CUDA tensors (events then order it after, and before, the caller's stream).
+    """
+
+    __slots__ = ("future", "done_event", "what")
+
+    def __init__(self, worker: CommWorker, fn: Callable[[], None], what: str, cuda: bool = False) -> None:
+        ready_event = done_event = None
+        if cuda:
+            ready_event, done_event = torch.cuda.Event(), torch.cuda.Event()
+            ready_event.record()
+
+        def run() -> None:
+            if ready_event is not None:
+                torch.cuda.current_stream().wait_event(ready_event)
+            fn()
+            if done_event is not None:
+                done_event.record()
+
+        self.what = what
+        self.done_event = done_event
+        self.future = worker.submit(run)
+
+    def done(self) -> bool:
+        """Whether the function has returned (or raised)."""
+        return self.future.done()
+
+    def wait(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` seconds; raise if the function failed or is still running."""
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        try:
+            self.future.result(timeout=timeout_s)
+        except FutureTimeout:
+            raise RuntimeError(
+                f"rank {rank}: {self.what} did not finish within {timeout_s:.0f} s; a peer may be dead or stuck. "
+                "Set BAGUA_COMM_TIMEOUT_S to change the limit."
+            ) from None
+        except Exception as exc:
+            raise RuntimeError(
+                f"rank {rank}: {self.what} failed: {exc}. If a peer died or is stuck, this fails after "
+                f"BAGUA_COMM_TIMEOUT_S={timeout_s:.0f} s."
+            ) from exc
+        if self.done_event is not None:
+            torch.cuda.current_stream().wait_event(self.done_event)
 
 
 _live_workers: "weakref.WeakSet[CommWorker]" = weakref.WeakSet()

@@ -28,6 +28,7 @@ from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket, split_bucket_by_bucket_size
 from bagua.torch_api.data_parallel import _state_sync
 from bagua.torch_api.data_parallel._comm_plane import (
+    CommJob,
     CommWorker,
     enable_multistream_like,
     open_engines_of,
@@ -336,6 +337,11 @@ class BaguaDistributedDataParallel:
                 done_event.record()
 
         self._pending.append((bucket, self._worker.submit(run), done_event))
+
+    def submit_job(self, fn: Callable[[], None], what: str, cuda: bool = False) -> CommJob:
+        """Run ``fn`` on the engine's communication thread, after the buckets launched so far; wait for it with
+        ``job.wait(timeout_s)`` (algorithms that overlap their own exchanges with training, e.g. DiLoCo)."""
+        return CommJob(self._worker, fn, f"{what} of {self.bagua_module_name}", cuda=cuda)
 
     def launch_remaining_buckets(self) -> None:
         """Mark every tensor not yet ready as ready (unused parameters contribute their current gradient, or

@@ -1,0 +1,341 @@
+"""DiLoCo and Streaming DiLoCo: ``H`` local steps, then an outer optimizer step on the averaged weight change.
+
+DiLoCo (Douillard et al. 2023, https://arxiv.org/abs/2311.08105): every rank runs ``sync_every`` (``H``) steps of
+its own optimizer (the *inner* optimizer: the one passed to ``with_bagua``) on its own data, without any gradient
+communication; then the ranks average the *pseudo-gradient* ``delta = g - x`` (``g``: the global weights of the
+last synchronization, ``x``: the rank's weights now) and apply an *outer* optimizer (SGD, lr 0.7, Nesterov
+momentum 0.9) to ``g``; every rank continues from the new ``g``. Communication falls by a factor ``H``.
+
+Streaming DiLoCo (https://arxiv.org/abs/2501.18512) adds three things, each a knob here:
+
+- ``fragments=F``: the parameters are split into ``F`` fragments of about equal bytes that synchronize in turn,
+  evenly spaced within each round of ``H`` steps (the peak traffic falls by ``F``);
+- ``overlap_steps=tau``: a fragment's exchange runs on the communication thread while ``tau`` more inner steps
+  run; the outer step then lands on weights that moved on, and the two are merged as
+  ``x = alpha * x + (1 - alpha) * g`` (``overlap_alpha``, the paper's alpha; with ``tau = 0`` simply ``x = g``);
+- ``compression``: the pseudo-gradient travels as ``"bf16"``, or in 8 or 4 bits per value with a min/max per block
+  (``"uint8"``, ``"uint4"``, :mod:`bagua.torch_api.block_codec`), through a scatter-reduce-gather; accumulation
+  and the outer step stay in float32, and error feedback (on by default when compressed) carries each rank's
+  quantization error to its next pseudo-gradient.
+
+Every rank ends each synchronization with the same global weights, bit for bit, whatever the compression (the
+average is all-gathered as bytes); with ``tau = 0`` also the same model weights.
+
+Steps are counted at the end of each backward that communicates (one per optimizer step; use ``no_sync()`` for
+gradient accumulation), so a step that ``torch.amp.GradScaler`` skips still counts, the same on every rank. The
+synchronization runs after the optimizer step (after every optimizer of the model has stepped), or, when a step
+was skipped, before the next training forward.
+
+Example:
+    >>> from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+    >>> optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # doctest: +SKIP
+    >>> model = model.with_bagua([optimizer], DiLoCoAlgorithm(sync_every=50))  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from bagua.torch_api import communication as comm
+from bagua.torch_api import env, hierarchy
+from bagua.torch_api.algorithms._checks import check_bool, check_choice, check_int, check_number
+from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from bagua.torch_api.compressed_allreduce import all_finite
+from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.diloco_ops import FRAGMENT_LAYOUTS, Fragment, due_fragments, split_fragments, sync_offsets
+from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.tensor import BaguaTensor
+
+__all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS"]
+
+#: what the pseudo-gradient travels as
+COMPRESSIONS = ("none", "bf16", "uint8", "uint4")
+
+
+class DiLoCoAlgorithmImpl(AlgorithmImpl):
+    """DiLoCo bound to a group; see :class:`DiLoCoAlgorithm`."""
+
+    def __init__(self, process_group: BaguaProcessGroup, algorithm: "DiLoCoAlgorithm") -> None:
+        super().__init__(process_group)
+        # user hyper-parameters
+        self.hyper = algorithm
+        self.hierarchical = algorithm.hierarchical
+        self.error_feedback = algorithm.compression != "none" if algorithm.error_feedback is None else (
+            algorithm.error_feedback)
+        # internal state
+        self.steps = 0  # backward ends that communicate (inner steps, warm-up included)
+        self.processed = 0  # steps whose end-of-step work (starting and finishing exchanges) is done
+        self.warm = algorithm.warmup_steps > 0
+        self.fragments: list[Fragment] = []
+        self._offsets = sync_offsets(algorithm.sync_every, algorithm.fragments)
+        self._stepped: set[int] = set()
+        self._loaded: Optional[dict[str, torch.Tensor]] = None
+        # with overlap an exchange runs while the main thread may communicate (find_unused_parameters): own groups
+        self._exchange_group = process_group.private_copy("diloco") if algorithm.overlap_steps > 0 else process_group
+        # stats
+        self.syncs = 0
+        self.bytes_sent = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------------------------
+
+    def need_reset(self) -> bool:
+        return self.warm and self.steps >= self.hyper.warmup_steps
+
+    def init_tensors(self, bagua_ddp) -> list[BaguaTensor]:
+        self.warm = self.steps < self.hyper.warmup_steps
+        if self.warm:
+            return super().init_tensors(bagua_ddp)
+        if not self.fragments:
+            self._build_fragments(bagua_ddp)
+        return []  # no gradient communication between synchronizations
+
+    def init_operations(self, bagua_ddp, bucket) -> None:
+        bucket.clear_ops()
+        bucket.append_centralized_synchronous_op(hierarchical=self.hierarchical, average=True,
+                                                 group=self.process_group)
+
+    def init_forward_pre_hook(self, bagua_ddp) -> Callable[[Any], None]:
+        def hook(inputs: Any) -> None:
+            self._stepped.clear()
+            if not self.warm:
+                self._end_steps(bagua_ddp)  # a step without optimizer step (GradScaler skipped it)
+
+        return hook
+
+    def init_backward_hook(self, bagua_ddp):
+        if self.warm:
+            return super().init_backward_hook(bagua_ddp)
+        return lambda name, param: None
+
+    def init_post_backward_hook(self, bagua_ddp) -> Callable[[], None]:
+        def hook() -> None:
+            if self.warm:
+                bagua_ddp.launch_remaining_buckets()
+                bagua_ddp.wait_pending_comm_ops()
+            self.steps += 1
+            if self.warm:
+                self.processed = self.steps
+
+        return hook
+
+    def init_post_optimizer_step_hook(self, bagua_ddp) -> Callable[[torch.optim.Optimizer], None]:
+        def hook(optimizer: torch.optim.Optimizer) -> None:
+            self._stepped.add(id(optimizer))
+            if not self.warm and all(id(o) in self._stepped for o in bagua_ddp.bagua_optimizers):
+                self._end_steps(bagua_ddp)
+
+        return hook
+
+    # -- fragments and their exchanges -------------------------------------------------------------------------
+
+    def _build_fragments(self, bagua_ddp) -> None:
+        params = [p for _, p in bagua_ddp.bagua_build_params()]
+        if not params:
+            raise ValueError("DiLoCoAlgorithm: the model has no trainable parameter")
+        parts = split_fragments([p.numel() * p.element_size() for p in params], self.hyper.fragments,
+                                self.hyper.fragment_layout)
+        outer = self.hyper.outer_optimizer or functools.partial(
+            torch.optim.SGD, lr=self.hyper.outer_lr, momentum=self.hyper.outer_momentum,
+            nesterov=self.hyper.nesterov and self.hyper.outer_momentum > 0,
+        )
+        self.fragments = [Fragment(i, [params[k] for k in part], outer, self.hyper.offload_outer_state)
+                          for i, part in enumerate(parts)]
+        if self._loaded is not None:
+            self.load_state_dict(self._loaded)
+
+    def _end_steps(self, bagua_ddp) -> None:
+        """Do the end-of-step work of every inner step counted and not yet processed: finish the exchanges due,
+        start the ones due (in fragment order, the same on every rank)."""
+        H, tau = self.hyper.sync_every, self.hyper.overlap_steps
+        while self.processed < self.steps:
+            self.processed += 1
+            step = self.processed - self.hyper.warmup_steps
+            for fragment in self.fragments:
+                if fragment.pending is not None and fragment.pending[0] <= step:
+                    self._finish(fragment)
+            for p in due_fragments(step, H, self._offsets):
+                self._start(bagua_ddp, self.fragments[p], step + tau)
+                if tau == 0:
+                    self._finish(self.fragments[p])
+
+    def _start(self, bagua_ddp, fragment: Fragment, finish_step: int) -> None:
+        delta = fragment.pseudo_gradient()
+        job = bagua_ddp.submit_job(lambda: self._exchange(fragment, delta),
+                                   f"DiLoCo exchange of fragment {fragment.index}", cuda=delta.is_cuda)
+        fragment.pending = (finish_step, job)
+
+    def _exchange(self, fragment: Fragment, delta: torch.Tensor) -> None:
+        """Average ``delta`` over the ranks, in place (runs on the communication thread)."""
+        compression, block = self.hyper.compression, self.hyper.block_size
+
+        def exchange(t: torch.Tensor, c: BaguaCommunicator) -> None:
+            if compression == "none":
+                comm.allreduce_inplace(t, ReduceOp.AVG, c)
+                self.bytes_sent += 4 * t.numel()
+                return
+            from bagua.torch_api.block_allreduce import block_allreduce_inplace
+            from bagua.torch_api.block_codec import wire_numel
+
+            fragment.workspace = block_allreduce_inplace(
+                t, c, compression, block, average=True, workspace=fragment.workspace,
+                error_feedback=self.error_feedback, tag=fragment.index,
+            )
+            self.bytes_sent += wire_numel(-(-t.numel() // c.nranks()), compression, block) * c.nranks()
+
+        hierarchy.run_hierarchically(self._exchange_group, self.hierarchical, delta, exchange, average=True)
+
+    def _finish(self, fragment: Fragment) -> None:
+        assert fragment.pending is not None
+        _, job = fragment.pending
+        if job is not None:
+            job.wait(env.get_comm_timeout_s())
+        fragment.pending = None
+        if not all_finite(fragment.delta):
+            # every rank holds the same average, so every rank raises here
+            raise FloatingPointError(
+                f"DiLoCo: the averaged pseudo-gradient of fragment {fragment.index} holds NaN or Inf, so some rank's "
+                "weights diverged during the inner steps; the global weights were left as they were. Lower the inner "
+                "learning rate, clip gradients, or use torch.amp.GradScaler (which skips non-finite steps)"
+            )
+        fragment.outer_step(self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0)
+        self.syncs += 1
+
+    def _make_workspace(self, fragment: Fragment):
+        from bagua.torch_api.block_allreduce import BlockWorkspace
+
+        c = hierarchy.exchange_communicator(self._exchange_group, self.hierarchical)
+        return BlockWorkspace(fragment.numel, c.nranks(), fragment.device, self.hyper.compression,
+                              self.hyper.block_size, error_feedback=self.error_feedback)
+
+    # -- checkpoints and teardown ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's state: step counters, each fragment's global weights, outer-optimizer tensors, residuals,
+        and the result of an exchange in flight (waited for). The ranks' weights differ between synchronizations,
+        so every rank's checkpoint file is needed."""
+        state = {"steps": torch.tensor(self.steps), "processed": torch.tensor(self.processed)}
+        for fragment in self.fragments:
+            if fragment.pending is not None:
+                finish_step, job = fragment.pending
+                if job is not None:
+                    job.wait(env.get_comm_timeout_s())
+                fragment.pending = (finish_step, None)  # the average is in fragment.delta
+                state[f"{fragment.index}.pending_finish"] = torch.tensor(finish_step)
+                state[f"{fragment.index}.pending_average"] = fragment.delta.detach().clone()
+            state.update(fragment.state_dict())
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.steps, self.processed = int(state["steps"]), int(state["processed"])
+        self.warm = self.steps < self.hyper.warmup_steps
+        if not self.fragments:  # still warming up: the fragments are built when the warm-up ends
+            self._loaded = state if any(k.endswith(".global") for k in state) else None
+            return
+        self._loaded = None
+        for fragment in self.fragments:
+            fragment.load_state_dict(state, functools.partial(self._make_workspace, fragment))
+            key = f"{fragment.index}.pending_finish"
+            if key in state:
+                fragment.delta.copy_(state[f"{fragment.index}.pending_average"])
+                fragment.pending = (int(state[key]), None)
+
+    def close(self) -> None:
+        for fragment in self.fragments:
+            if fragment.pending is not None and fragment.pending[1] is not None:
+                try:
+                    fragment.pending[1].wait(env.get_comm_timeout_s())
+                except RuntimeError:
+                    pass  # the engine is being torn down; its error, if any, was or will be raised by a wait
+
+
+def _check_outer_optimizer(value: Any) -> None:
+    if value is not None and not callable(value):
+        raise ValueError("DiLoCoAlgorithm(outer_optimizer=...) must build an optimizer from a list of tensors, e.g. "
+                         f"functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True); got {value!r}")
+
+
+@GlobalAlgorithmRegistry.register(
+    "diloco", description="DiLoCo / Streaming DiLoCo: local steps, outer Nesterov step on the averaged weight change")
+@dataclass
+class DiLoCoAlgorithm(Algorithm):
+    """Train ``sync_every`` steps locally, then average the weight change and take an outer optimizer step.
+
+    Args:
+        sync_every: inner steps between two synchronizations of a fragment (``H``; DiLoCo uses hundreds).
+        outer_lr: learning rate of the default outer optimizer (SGD).
+        outer_momentum: its momentum (0 with ``outer_lr=1`` is plain periodic averaging: FedAvg, Accelerate's
+            ``LocalSGD``, torch's post-local SGD).
+        nesterov: Nesterov momentum for the default outer optimizer.
+        outer_optimizer: instead of SGD, a factory ``f(list_of_tensors) -> torch.optim.Optimizer`` (picklable, e.g.
+            ``functools.partial(torch.optim.Adam, lr=1e-3)``); it steps float32 copies of the weights.
+        fragments: Streaming DiLoCo's fragments (1: plain DiLoCo). At most ``sync_every``.
+        fragment_layout: ``"contiguous"`` (runs of layers in model order) or ``"strided"`` (each fragment takes
+            every ``F``-th run, spanning the model's depth).
+        overlap_steps: ``tau``, inner steps run while a fragment's exchange travels (less than
+            ``sync_every``); 0 waits for it at once.
+        overlap_alpha: with ``overlap_steps > 0``, the weights become ``alpha * x + (1 - alpha) * g``.
+        compression: ``"none"`` (float32 allreduce), ``"bf16"``, ``"uint8"`` or ``"uint4"`` (block-wise min/max codes).
+        error_feedback: keep each rank's compression error and add it to the next pseudo-gradient; ``None``
+            (default) means on when compressed.
+        block_size: elements per min/max block of the 8- and 4-bit codes.
+        warmup_steps: steps of plain float32 gradient allreduce before the first inner phase.
+        hierarchical: average inside each node in float32 first and exchange among node leaders only.
+        offload_outer_state: keep the global weights and the outer optimizer's state in (pinned) CPU memory.
+
+    Example:
+        >>> algorithm = DiLoCoAlgorithm(sync_every=100, fragments=4, overlap_steps=2, compression="uint4")
+        >>> model = model.with_bagua([torch.optim.AdamW(model.parameters())], algorithm)  # doctest: +SKIP
+    """
+
+    sync_every: int = 50
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    outer_optimizer: Optional[Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = None
+    fragments: int = 1
+    fragment_layout: str = "contiguous"
+    overlap_steps: int = 0
+    overlap_alpha: float = 0.5
+    compression: str = "none"
+    error_feedback: Optional[bool] = None
+    block_size: int = 4096
+    warmup_steps: int = 0
+    hierarchical: bool = True
+    offload_outer_state: bool = False
+
+    def __post_init__(self) -> None:
+        owner = "DiLoCoAlgorithm"
+        check_int(owner, "sync_every", self.sync_every, 1, "inner steps between synchronizations")
+        check_number(owner, "outer_lr", self.outer_lr, 0.0, "the outer SGD's learning rate")
+        check_number(owner, "outer_momentum", self.outer_momentum, 0.0, "the outer SGD's momentum")
+        if self.outer_momentum >= 1:
+            raise ValueError(f"{owner}(outer_momentum=...) must be below 1, got {self.outer_momentum!r}")
+        for name in ("nesterov", "hierarchical", "offload_outer_state"):
+            check_bool(owner, name, getattr(self, name))
+        if self.error_feedback is not None:
+            check_bool(owner, "error_feedback", self.error_feedback)
+        _check_outer_optimizer(self.outer_optimizer)
+        check_int(owner, "fragments", self.fragments, 1, "parameter fragments that synchronize in turn")
+        if self.fragments > self.sync_every:
+            raise ValueError(f"{owner}(fragments={self.fragments}) must be at most sync_every={self.sync_every}: "
+                             "each fragment synchronizes once per round of sync_every steps")
+        check_choice(owner, "fragment_layout", self.fragment_layout, FRAGMENT_LAYOUTS)
+        check_int(owner, "overlap_steps", self.overlap_steps, 0, "inner steps run while an exchange travels")
+        if self.overlap_steps >= self.sync_every:
+            raise ValueError(f"{owner}(overlap_steps={self.overlap_steps}) must be below sync_every="
+                             f"{self.sync_every}: a fragment's exchange must end before its next one starts")
+        check_number(owner, "overlap_alpha", self.overlap_alpha, 0.0, "weight of the local weights in the merge")
+        if self.overlap_alpha > 1:
+            raise ValueError(f"{owner}(overlap_alpha=...) must be in [0, 1], got {self.overlap_alpha!r}")
+        check_choice(owner, "compression", self.compression, COMPRESSIONS)
+        check_int(owner, "block_size", self.block_size, 2, "elements per min/max block")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"{owner}(block_size=...) must be a power of two, got {self.block_size!r}")
+        check_int(owner, "warmup_steps", self.warmup_steps, 0, "gradient-allreduce steps before the inner phases")
+
+    def reify(self, process_group: BaguaProcessGroup) -> DiLoCoAlgorithmImpl:
+        return DiLoCoAlgorithmImpl(process_group, self)

@@ -1,0 +1,175 @@
+"""DiLoCo and Streaming DiLoCo against the maths written plainly on tensors in this file.
+
+The reference trains an ordinary model with the same inner optimizer on every rank; at each fragment's
+synchronization it all-gathers every rank's weights with ``dist.all_gather``, forms the pseudo-gradients
+``g - x``, averages them (``(d0 + d1) / 2``), applies SGD with Nesterov momentum written out (``buf = avg`` at the
+first step, then ``buf = m * buf + avg``; ``update = avg + m * buf``; ``g -= lr * update``, each ``a + c * b`` as
+``torch.add(a, b, alpha=c)``, which is how torch's SGD rounds) and sets the weights (``x = g``, or
+``alpha * x + (1 - alpha) * g`` when the exchange overlapped ``tau`` steps).
+
+Tolerance: exact (rtol=0, atol=0) for float32 exchanges at 2 ranks (the sum of two numbers does not depend on
+their order). ``H = 1``, outer SGD lr 1 without momentum and inner SGD is gradient averaging up to float32
+rounding (``g - (g - (g - lr * grad))``): atol 1e-6. Compressed exchanges: every rank holds the same weights bit
+for bit, and the first synchronization's global weights lie within the codec's error of the exact ones.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+from tests.harness import run_workers
+from tests.torch_api.models import batch, make_model, params_of
+
+EXACT = dict(rtol=0, atol=0)
+
+
+# -- the reference ------------------------------------------------------------------------------------------
+
+
+def _fragments(model, fragments):
+    """Parameters in model order cut into ``fragments`` consecutive runs of about equal bytes (as documented)."""
+    params = list(model.parameters())
+    sizes = [p.numel() for p in params]
+    total, runs, current, acc = sum(sizes), [], [], 0
+    for i, p in enumerate(params):
+        current.append(p)
+        acc += sizes[i]
+        left = len(params) - i - 1
+        if len(runs) < fragments - 1 and acc >= total * (len(runs) + 1) / fragments and left >= fragments - 1 - len(
+                runs):
+            runs.append(current)
+            current = []
+    runs.append(current)
+    assert len(runs) == fragments and all(runs)
+    return runs
+
+
+def _mean_over_ranks(t):
+    values = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(values, t.contiguous())
+    return sum(values[1:], values[0]) / len(values)
+
+
+def _train_reference(rank, steps, H, F, tau, alpha, lr, m, inner):
+    model = make_model(0)
+    opt = inner(model.parameters())
+    frags = _fragments(model, F)
+    glob = [[p.detach().clone() for p in frag] for frag in frags]
+    bufs = [None] * F
+    offsets = [max(1, round((p + 1) * H / F)) for p in range(F)]
+    in_flight = {}  # fragment -> (finish step, averaged pseudo-gradients)
+    history = []
+    for step in range(1, steps + 1):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        for p in range(F):
+            if p in in_flight and in_flight[p][0] == step:
+                _outer(frags[p], glob[p], bufs, p, in_flight.pop(p)[1], lr, m, alpha if tau else 0.0)
+        for p in range(F):
+            if step % H == offsets[p] % H:
+                avg = [_mean_over_ranks(g - x.detach()) for g, x in zip(glob[p], frags[p])]
+                in_flight[p] = (step + tau, avg)
+                if tau == 0:
+                    _outer(frags[p], glob[p], bufs, p, in_flight.pop(p)[1], lr, m, 0.0)
+        history.append(params_of(model))
+    return history
+
+
+@torch.no_grad()
+def _outer(params, glob, bufs, p, avg, lr, m, alpha):
+    if m > 0:
+        if bufs[p] is None:
+            bufs[p] = [a.clone() for a in avg]
+        else:
+            bufs[p] = [torch.add(b * m, a) for b, a in zip(bufs[p], avg)]  # buf.mul_(m).add_(avg)
+        updates = [torch.add(a, b, alpha=m) for a, b in zip(avg, bufs[p])]  # nesterov
+    else:
+        updates = avg
+    for g, u in zip(glob, updates):
+        g.add_(u, alpha=-lr)
+    for x, g in zip(params, glob):
+        x.copy_(g if alpha == 0 else torch.lerp(x, g, 1 - alpha))
+
+
+def _train_diloco(rank, steps, algorithm, inner):
+    import bagua.torch_api as bagua  # noqa: F401  (installs with_bagua)
+
+    model = make_model(rank)
+    opt = inner(model.parameters())
+    model = model.with_bagua([opt], algorithm)
+    history = []
+    for step in range(1, steps + 1):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        history.append(params_of(model))
+    return history
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.05)
+
+
+def _worker_parity(rank, world_size, steps, H, F, tau, alpha):
+    from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+
+    algorithm = DiLoCoAlgorithm(sync_every=H, fragments=F, overlap_steps=tau, overlap_alpha=alpha,
+                                hierarchical=False)
+    got = _train_diloco(rank, steps, algorithm, _adamw)
+    expected = _train_reference(rank, steps, H, F, tau, alpha, 0.7, 0.9, _adamw)
+    return got, expected
+
+
+@pytest.mark.parametrize(
+    "H,F,tau,alpha",
+    [(3, 1, 0, 0.5), (4, 2, 0, 0.5), (6, 3, 1, 0.5), (4, 2, 1, 0.0)],
+    ids=["diloco", "streaming-2", "streaming-3-overlap", "streaming-2-overlap-alpha0"],
+)
+def test_matches_plain_tensor_reference(tmp_path, H, F, tau, alpha):
+    steps = 3 * H + tau
+    results = run_workers(_worker_parity, 2, steps, H, F, tau, alpha, timeout=120)
+    for rank, (got, expected) in enumerate(results):
+        for step, (g, e) in enumerate(zip(got, expected), start=1):
+            for a, b in zip(g, e):
+                assert_close(a, b, **EXACT, msg=lambda m: f"rank {rank} step {step}: {m}")
+    # plain DiLoCo: every rank holds the same weights after each synchronization
+    if F == 1:
+        for step in range(H, steps + 1, H):
+            for a, b in zip(results[0][0][step - 1], results[1][0][step - 1]):
+                assert torch.equal(a, b)
+
+
+def _worker_h1(rank, world_size, steps):
+    from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+
+    got = _train_diloco(rank, steps, DiLoCoAlgorithm(sync_every=1, outer_lr=1.0, outer_momentum=0.0,
+                                                     hierarchical=False), _sgd)
+    # gradient averaging written plainly: every rank steps with the mean gradient
+    model = make_model(0)
+    expected = []
+    for step in range(1, steps + 1):
+        x, y = batch(rank, step)
+        model.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.05 * _mean_over_ranks(p.grad))
+        expected.append(params_of(model))
+    return got, expected
+
+
+def test_h1_outer_lr1_is_gradient_averaging(tmp_path):
+    for got, expected in run_workers(_worker_h1, 2, 5, timeout=120):
+        for g, e in zip(got, expected):
+            for a, b in zip(g, e):
+                assert_close(a, b, rtol=0, atol=1e-6)
