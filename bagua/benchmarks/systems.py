@@ -1,7 +1,8 @@
 """The systems the workload trains with: torch DDP variants and Bagua algorithms, wrapped and instrumented.
 
-A *system* is a spec ``name[:key=value...]`` (:func:`split_system`): ``ddp``, ``ddp_fp16``, ``ddp_powersgd`` or a
-name in Bagua's algorithm registry (:func:`available_systems`). :func:`make_system` wraps a model for it, builds its
+A *system* is a spec ``name[:key=value...]`` (:func:`split_system`): ``ddp``, ``ddp_fp16``, ``ddp_powersgd``,
+``ddp_post_local_sgd[:period=P:warmup=W]`` (torch's post-local SGD, :func:`_post_local_sgd`) or a name in Bagua's
+algorithm registry (:func:`available_systems`). :func:`make_system` wraps a model for it, builds its
 optimizer and times its communication (:class:`_IntervalTimer`); :func:`untimed_steps` and
 :func:`qadam_warmup_steps` size the start-up phase left untimed.
 
@@ -18,9 +19,13 @@ from typing import Any, Callable, ContextManager, Optional
 import torch
 
 __all__ = ["DDP_SYSTEMS", "split_system", "load_algorithm_modules", "available_systems", "System", "untimed_steps",
-           "qadam_warmup_steps", "make_system"]
+           "qadam_warmup_steps", "make_system", "POST_LOCAL_SGD_DEFAULTS", "steps_per_round"]
 
-DDP_SYSTEMS = ("ddp", "ddp_fp16", "ddp_powersgd")
+DDP_SYSTEMS = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_post_local_sgd")
+
+#: ``ddp_post_local_sgd``'s options: average the weights every ``period`` steps after ``warmup`` steps of plain
+#: DDP; compare with a local-update algorithm by giving it the same period (e.g. ``period=8`` for 8 inner steps)
+POST_LOCAL_SGD_DEFAULTS = {"period": 4, "warmup": 2}
 
 
 def split_system(spec: str) -> tuple[str, dict[str, Any]]:
@@ -69,7 +74,7 @@ def load_algorithm_modules() -> None:
 
 
 def available_systems() -> list[str]:
-    """``ddp``, ``ddp_fp16``, ``ddp_powersgd``, then every registered Bagua algorithm name."""
+    """``ddp``, ``ddp_fp16``, ``ddp_powersgd``, ``ddp_post_local_sgd``, then every registered Bagua algorithm name."""
     from bagua.torch_api.algorithms import GlobalAlgorithmRegistry
 
     load_algorithm_modules()
@@ -179,13 +184,26 @@ def _time_bagua_buckets(model: torch.nn.Module, timer: _IntervalTimer) -> None:
 
 def untimed_steps(system: str, requested: int, qadam_warmup: int) -> int:
     """Steps to leave untimed: at least ``requested``, and past a system's own start-up phase (PowerSGD's two
-    vanilla allreduces and first factorization; QAdam's full-precision warmup and its switch step), so that the
-    timed steps measure the system in its steady state."""
-    if system == "ddp_powersgd":
+    vanilla allreduces and first factorization; QAdam's full-precision warmup and its switch step; post-local
+    SGD's plain-DDP warmup), so that the timed steps measure the system in its steady state. ``system`` is a
+    spec, options included."""
+    name, kwargs = split_system(system)
+    if name == "ddp_powersgd":
         return max(requested, 3)
-    if system == "qadam":
+    if name == "qadam":
         return max(requested, qadam_warmup + 1)
+    if name == "ddp_post_local_sgd":
+        return max(requested, int(kwargs.get("warmup", POST_LOCAL_SGD_DEFAULTS["warmup"])))
     return requested
+
+
+def steps_per_round(spec: str) -> int:
+    """Steps between a system's communication rounds (a local-update period): timed runs should cover whole
+    rounds, and their mean step, not the median, is the cost of a step."""
+    name, kwargs = split_system(spec)
+    if name == "ddp_post_local_sgd":
+        return int(kwargs.get("period", POST_LOCAL_SGD_DEFAULTS["period"]))
+    return int(kwargs.get("communication_interval", 1))
 
 
 def qadam_warmup_steps(total_steps: Optional[int], timed_steps: int) -> int:
@@ -200,6 +218,38 @@ def qadam_warmup_steps(total_steps: Optional[int], timed_steps: int) -> int:
     return max(2, -(-(timed_steps + 1) // 4))
 
 
+def _post_local_sgd(model: torch.nn.Module, optimizer_kind: str, lr: float, timer: _IntervalTimer,
+                    period: int = POST_LOCAL_SGD_DEFAULTS["period"],
+                    warmup: int = POST_LOCAL_SGD_DEFAULTS["warmup"]) -> System:
+    """torch's post-local SGD (Lin et al., https://arxiv.org/abs/1808.07217): DDP allreduces gradients for
+    ``warmup`` steps (``PostLocalSGDState.start_localSGD_iter``), then every rank steps on its own gradient and a
+    ``PeriodicModelAverager`` averages the weights after every ``period``-th optimizer step (an optimizer step
+    post hook). With one rank per host there is no intra-node gradient allreduce to keep
+    (``post_local_gradient_allreduce=False``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import post_localSGD_hook
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if period < 1 or warmup < 1:
+        raise ValueError(f"ddp_post_local_sgd: period ({period}) and warmup ({warmup}) must be at least 1 "
+                         "(torch's hook needs a first step of plain allreduce)")
+    ddp = DDP(model)
+    state = post_localSGD_hook.PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup,
+                                                 post_local_gradient_allreduce=False)
+    ddp.register_comm_hook(state, _timed_hook(post_localSGD_hook.post_localSGD_hook, timer))
+    averager = PeriodicModelAverager(period=period, warmup_steps=warmup)
+    optimizer = _make_optimizer(optimizer_kind, ddp.parameters(), lr)
+
+    def average(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        start = time.perf_counter()
+        averager.average_parameters(ddp.parameters())
+        timer.add(start, time.perf_counter())
+
+    handle = optimizer.register_step_post_hook(average)
+    return System(ddp, optimizer, ddp.no_sync, timer, close=handle.remove,
+                  notes=[f"post-local SGD: plain DDP for {warmup} steps, then weights averaged every {period} steps"])
+
+
 def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: float, qadam_warmup: int) -> System:
     """Wrap ``model`` for ``name`` (a DDP variant or a Bagua algorithm name) and build its optimizer;
     ``qadam_warmup`` is QAdam's number of full-precision steps."""
@@ -207,6 +257,8 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
 
     timer = _IntervalTimer()
     name, kwargs = split_system(name)
+    if name == "ddp_post_local_sgd":
+        return _post_local_sgd(model, optimizer_kind, lr, timer, **kwargs)
     if kwargs and (name in DDP_SYSTEMS or name == "qadam"):
         raise ValueError(f"{name} takes no extra arguments in this benchmark, got {kwargs}")
     if name in DDP_SYSTEMS:

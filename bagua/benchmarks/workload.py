@@ -24,7 +24,7 @@ With ``--target T`` the job instead trains until the validation metric reaches `
 adds ``to_target`` to its result (:mod:`bagua.benchmarks.to_target`).
 
 Systems: ``ddp``, ``ddp_fp16`` (``fp16_compress_hook``), ``ddp_powersgd`` (``powerSGD_hook``, rank 1, vanilla
-allreduce in the first step as torch requires), and every name in Bagua's algorithm registry (``qadam`` gets its
+allreduce in the first step as torch requires), ``ddp_post_local_sgd`` (torch's post-local SGD), and every name in Bagua's algorithm registry (``qadam`` gets its
 own ``QAdamOptimizer``).
 
 Example::
@@ -113,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     lr = args.lr if args.lr is not None else spec.lr
     qadam_warmup = qadam_warmup_steps(len(_batches(args, rank, world)[0]) if spec.data == "digits" else None,
                                       args.steps)
-    args.warmup = untimed_steps(split_system(args.system)[0], args.warmup, qadam_warmup)
+    args.warmup = untimed_steps(args.system, args.warmup, qadam_warmup)
     batches, test = _batches(args, rank, world)
     if len(batches) <= args.warmup:
         raise ValueError(f"{len(batches)} steps in total but --warmup={args.warmup}: add epochs or steps")
