@@ -70,7 +70,8 @@ def make_run(name):
         opt = QAdamOptimizer(model.parameters(), lr=0.003, warmup_steps=steps_per_epoch * 2)
         return model.with_bagua([opt], QAdamAlgorithm(opt)), model, opt
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    kwargs = {"sync_interval_ms": 20} if name == "async" else {}
+    # DiLoCo: 10 local steps between synchronizations (one rank per emulated host: the exchange is between ranks)
+    kwargs = {"async": {"sync_interval_ms": 20}, "diloco": {"sync_every": 10, "hierarchical": False}}.get(name, {})
     return model.with_bagua([opt], Algorithm.init(name, **kwargs)), model, opt
 
 

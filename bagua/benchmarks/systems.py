@@ -203,6 +203,10 @@ def steps_per_round(spec: str) -> int:
     name, kwargs = split_system(spec)
     if name == "ddp_post_local_sgd":
         return int(kwargs.get("period", POST_LOCAL_SGD_DEFAULTS["period"]))
+    if name == "diloco":
+        from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+
+        return int(kwargs.get("sync_every", DiLoCoAlgorithm.sync_every))
     return int(kwargs.get("communication_interval", 1))
 
 

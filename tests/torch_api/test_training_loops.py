@@ -30,6 +30,9 @@ from tests.torch_api.models import batch, make_model, params_of
 
 SYNC = ["gradient_allreduce", "bytegrad", "qadam"]
 DETERMINISTIC = SYNC + ["decentralized", "low_precision_decentralized"]
+#: DiLoCo's gradients stay local and its ranks do not agree on skipped steps (no per-step message): its GradScaler
+#: semantics are tested in tests/torch_api/test_diloco_loops.py
+LOCAL_UPDATE = ["diloco"]
 
 
 def _algorithm(name, model, lr=0.05):
@@ -41,8 +44,8 @@ def _algorithm(name, model, lr=0.05):
         opt = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=2)
         return opt, QAdamAlgorithm(opt, hierarchical=False)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    kwargs = {"async": dict(sync_interval_ms=20)}.get(name, {})
-    if name in ("bytegrad", "decentralized", "low_precision_decentralized"):
+    kwargs = {"async": dict(sync_interval_ms=20), "diloco": dict(sync_every=5)}.get(name, {})
+    if name in ("bytegrad", "decentralized", "low_precision_decentralized", "diloco"):
         kwargs["hierarchical"] = False
     return opt, Algorithm.init(name, **kwargs)
 
@@ -203,7 +206,7 @@ def _worker_two_models(rank, world_size, name, together):
     return result
 
 
-TWO_MODELS = SYNC + ["decentralized"]
+TWO_MODELS = SYNC + ["decentralized"] + LOCAL_UPDATE
 
 
 def _worker_two_models_all(rank, world_size):
@@ -220,10 +223,11 @@ def two_models_runs():
 def test_two_models_in_one_backward_match_one_module(two_models_runs, name):
     apart = [runs[name, False] for runs in two_models_runs]
     together = [runs[name, True] for runs in two_models_runs]
-    if name != "decentralized":  # synchronous algorithms: every rank holds the same weights, bit for bit
+    if name != "decentralized":  # synchronous algorithms (and DiLoCo right after its sync at step 5): the same weights
         for a, b in zip(apart[0], apart[1]):
             assert torch.equal(a, b), f"{name}: the ranks differ"
-    exact = name in ("gradient_allreduce", "decentralized")  # fp32 sums of two numbers: layout-independent
+    # fp32 sums of two numbers and element-wise outer steps: layout-independent
+    exact = name in ("gradient_allreduce", "decentralized", "diloco")
     for rank in range(2):
         for got, want in zip(apart[rank], together[rank]):
             if exact:
@@ -266,7 +270,7 @@ def _worker_user_collectives(rank, world_size, name, with_user_collectives):
 
 
 def _worker_user_collectives_all(rank, world_size):
-    return _each([(name, mixed) for name in DETERMINISTIC for mixed in (True, False)],
+    return _each([(name, mixed) for name in DETERMINISTIC + LOCAL_UPDATE for mixed in (True, False)],
                  lambda name, mixed: _worker_user_collectives(rank, world_size, name, mixed))
 
 
@@ -275,7 +279,7 @@ def user_collectives_runs():
     return run_workers(_worker_user_collectives_all, 2, timeout=240)
 
 
-@pytest.mark.parametrize("name", DETERMINISTIC + ["async"])
+@pytest.mark.parametrize("name", DETERMINISTIC + LOCAL_UPDATE + ["async"])
 def test_user_collectives_never_mix_with_bagua(request, name):
     if name == "async":  # a job of its own
         mixed = run_workers(_worker_user_collectives, 2, name, True)
