@@ -53,6 +53,11 @@ CASES = [
     ("async", "warmup_steps", -1, "must be an integer >= 0"),
     ("async", "warmup_steps", 2.0, "must be an integer >= 0"),
     ("qadam", "hierarchical", "no", BOOL),
+    ("diloco", "nesterov", "yes", BOOL),
+    ("diloco", "error_feedback", 1, BOOL),
+    ("diloco", "sync_every", 2.0, "must be an integer >= 1"),
+    ("diloco", "compression", "fp4", "choose one of 'none', 'bf16', 'uint8', 'uint4'"),
+    ("diloco", "fragment_layout", "strided2", "choose one of 'contiguous', 'strided'. Did you mean 'strided'?"),
 ]
 
 
