@@ -1,0 +1,399 @@
+"""Block-wise low-bit codecs (``bf16``, ``uint8``, ``uint4``) as pure tensor functions.
+
+A 1-D float32 tensor of ``n`` elements splits into blocks of ``block_size`` consecutive elements (the last one may
+be short). ``uint8`` and ``uint4`` quantize every block on its own range with ``L = 255`` or ``L = 15`` levels; in
+float32, with every division a true (correctly rounded) division::
+
+    r = max - min;  s = L / r  (s = 0 when that is not finite: r == 0 or r < L / FLT_MAX)
+    encode: q = round_half_even((x - min) * s)          (0 <= q <= L without a clamp: x - min <= r)
+    decode: x' = min + q * (r / L)
+
+so ``q = 0`` decodes to ``min`` exactly, and a block whose ``s`` is 0 (a constant block, or a range below about
+``1e-36``) decodes to ``min`` everywhere. Blocks with ``max(|min|, |max|) >= 2**126``, where ``r`` or ``min + q *
+r / L`` could overflow, use the same formulas on the halved values (exact scalings there) and clamp the result:
+``x' = clamp(2 * (min/2 + q * (r/2 / L)), min, max)``; so every finite block decodes to finite values. A block
+holding a NaN or an Inf gets codes 0 and decodes to NaN everywhere, which callers can detect.
+
+Bound (:func:`error_bound`), per element, ``M = max(|min|, |max|)`` of its block, ``u = 2**-24``::
+
+    |x - x'| <= r / (2 L) + 32 u M      (half a step, plus the float32 rounding of the encode and decode)
+    |x - x'| <= r                       (blocks whose s is 0)
+
+The rounding term is about ``21 u M`` in the worst case (``r <= 2 M``; encode 4 roundings, decode 3, and a
+subnormal ``r / L`` when ``r`` is tiny); ``32 u M = 2**-19 M`` states it with margin. ``bf16``: the wire is the
+bfloat16 of ``x`` (round to nearest even, torch's cast), ``|x - x'| <= 2**-8 |x| + 2**-134``, and ``|x|`` at or
+above ``(2 - 2**-8) * 2**127`` becomes Inf.
+
+Wire layout (``uint8`` / ``uint4``): all the headers first, block after block the float32 pair ``(min, max)``
+(8 bytes), then every block's codes in block order. ``uint8`` spends one byte per element. ``uint4`` packs two
+codes per byte, and to keep every step a contiguous operation it pairs the two halves of a block: byte ``i`` of
+a block of ``m`` elements holds the code of element ``i`` in its low nibble and that of element ``i + ceil(m/2)``
+in its high nibble (0 past the end). At the default block of 4096, ``uint4`` spends ``(8 + 2048) / 2048``
+bytes per two elements: 0.39 % above ``n / 2``.
+
+Deterministic: the codes depend only on these float32 operations (no fused multiply-add, no reciprocal of a
+scalar divisor), so every rank and device writes the same bytes for the same input.
+
+Speed: on CPU the functions stream the blocks through a scratch piece of :data:`PIECE` elements (1 MiB of
+float32, about one core's L2): the encoder reads each piece once from memory for its min/max and quantizes it
+while it is in cache; ``round`` and the float -> integer cast are one addition of ``2**23`` (the float32 bits
+of ``2**23 + q`` end in the byte ``q``). Other devices run whole-tensor operations.
+
+Example:
+    >>> x = torch.randn(10_000)
+    >>> wire = encode(x, "uint4")
+    >>> wire.numel() == wire_numel(10_000, "uint4")
+    True
+    >>> bool(((x - decode(wire, 10_000, "uint4")).abs() <= error_bound(x, "uint4")).all())
+    True
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["CODECS", "DEFAULT_BLOCK", "PIECE", "wire_numel", "encode", "decode", "error_bound"]
+
+CODECS = ("bf16", "uint8", "uint4")
+#: Elements per block. The uint4 headers cost 8 bytes per block, 0.39 % of the codes at 4096 (2048 would be
+#: 0.78 %, 1024 is above the 1 % goal); larger blocks are no faster (benchmarks/codec.py) and have wider ranges.
+DEFAULT_BLOCK = 4096
+#: Elements per cache piece on CPU.
+PIECE = 1 << 18
+
+HEADER_BYTES = 8
+_LEVELS = {"uint8": 255, "uint4": 15}
+_MAGIC = float(1 << 23)
+_HUGE = 2.0**126
+_BF16_OVERFLOW = (2 - 2**-8) * 2.0**127  # the float32 values from here round to Inf in bfloat16
+
+
+def _check(codec: str, block_size: int) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; available: {', '.join(CODECS)}")
+    if block_size < 2 or block_size % 2:
+        raise ValueError(f"block_size must be a positive even number (e.g. {DEFAULT_BLOCK}), got {block_size}")
+
+
+def _code_bytes(length: int, codec: str) -> int:
+    """Bytes of codes for a block of ``length`` elements."""
+    return length if codec == "uint8" else (length + 1) // 2
+
+
+def wire_numel(numel: int, codec: str, block_size: int = DEFAULT_BLOCK) -> int:
+    """Return the bytes on the wire for ``numel`` float32 values.
+
+    ``bf16``: ``2 n``; ``uint8``: ``8 b + n``; ``uint4``: ``8 b`` plus ``ceil(m / 2)`` per block of ``m``
+    elements, where ``b = ceil(n / block_size)`` is the number of blocks.
+
+    Example:
+        >>> wire_numel(10_000, "bf16"), wire_numel(10_000, "uint8"), wire_numel(10_000, "uint4")
+        (20000, 10024, 5024)
+    """
+    _check(codec, block_size)
+    if codec == "bf16":
+        return 2 * numel
+    full, tail = divmod(numel, block_size)
+    blocks = full + (tail > 0)
+    return HEADER_BYTES * blocks + full * _code_bytes(block_size, codec) + _code_bytes(tail, codec)
+
+
+def _layout(numel: int, codec: str, block_size: int) -> list[tuple[int, int, int, int, int]]:
+    """The runs of equal blocks: ``(first block, blocks, block length, element offset, code byte offset)``."""
+    full, tail = divmod(numel, block_size)
+    blocks = full + (tail > 0)
+    runs = [(0, full, block_size, 0, HEADER_BYTES * blocks)] if full else []
+    if tail:
+        runs.append((full, 1, tail, full * block_size, HEADER_BYTES * blocks + full * _code_bytes(block_size, codec)))
+    return runs
+
+
+# L is a tensor, not a Python scalar, in both: torch divides by a scalar as a multiplication by its reciprocal
+
+
+def _scale(mn: torch.Tensor, mx: torch.Tensor, levels: int) -> torch.Tensor:
+    """``s = L / (max - min)``, 0 where not finite."""
+    r = mx - mn
+    return torch.div(torch.full_like(r, levels), r).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def _step(mn: torch.Tensor, mx: torch.Tensor, levels: int) -> torch.Tensor:
+    """``r / L``."""
+    r = mx - mn
+    return torch.div(r, torch.full_like(r, levels))
+
+
+class _Scratch:
+    """The buffers of ``k`` blocks of ``m`` elements and their views, made once per call (on CPU a view costs
+    about as much as a small operation, so the loops take them ready-made)."""
+
+    __slots__ = ("k", "levels", "w", "bits", "lo", "hi", "lo_head", "lo_bits", "nibbles", "nibble_words", "nibble_rows")
+
+    def __init__(self, k: int, m: int, levels: int, device: torch.device, floats: bool = True) -> None:
+        self.k, self.levels = k, levels
+        h = (m + 1) // 2
+        self.w = torch.empty(k, m, dtype=torch.float32, device=device) if floats else None
+        if floats:
+            self.bits = self.w.view(torch.int32)
+            self.lo, self.hi = self.w[:, :h], self.w[:, h:]
+            self.lo_head, self.lo_bits = self.lo[:, : m - h], self.lo.view(torch.int32)
+        self.nibbles = torch.empty(k, 2, h, dtype=torch.uint8, device=device) if levels == 15 else None
+        if self.nibbles is not None:
+            self.nibble_words = self.nibbles.view(torch.int32) if h % 4 == 0 else None
+            self.nibble_rows = self.nibbles.view(k, 2 * h)[:, :m]  # low nibbles then high: the block in order
+
+
+def _pieces(rows: torch.Tensor, levels: int, floats: bool) -> tuple[int, _Scratch]:
+    """Blocks per piece (all of them on devices other than CPU) and the scratch of a full piece."""
+    count, m = rows.shape
+    k = max(1, PIECE // m) if rows.device.type == "cpu" else max(count, 1)
+    return k, _Scratch(min(k, count), m, levels, rows.device, floats)
+
+
+def _quantize(x: torch.Tensor, mn: torch.Tensor, s: torch.Tensor, codes: torch.Tensor, b: _Scratch) -> None:
+    """Write the codes of the ``(k, m)`` rows ``x`` (min ``mn``, scale ``s``: ``(k, 1)``) into ``codes``."""
+    torch.sub(x, mn, out=b.w)
+    b.w.mul_(s)
+    if b.levels == 255:
+        b.w.add_(_MAGIC)
+        codes.copy_(b.bits)  # int32 -> uint8 keeps the low byte: q
+        return
+    b.lo.add_(_MAGIC)
+    b.lo_head.add_(b.hi.round_(), alpha=16)  # 2**23 + q_lo + 16 q_hi: exact integers
+    codes.copy_(b.lo_bits)
+
+
+_SHIFTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+
+
+def _shifts(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    key = (device, dtype)
+    if key not in _SHIFTS:
+        _SHIFTS[key] = torch.tensor([0, 4], dtype=dtype, device=device).view(1, 2, 1)
+    return _SHIFTS[key]
+
+
+def _dequantize(codes: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, w: torch.Tensor, b: _Scratch) -> None:
+    """Write ``min + q * step`` of the ``(k, bytes)`` codes into the ``(k, m)`` float32 ``w``."""
+    if b.levels == 255:
+        w.copy_(codes)
+    else:
+        # both nibbles in one broadcast shift, (k, 1, h) >> (1, 2, 1), on 32-bit words where aligned (x86 has
+        # no 8-bit shift): 4 bytes at a time, the mask drops the bits shifted in from the next byte
+        words = b.nibble_words is not None and codes.storage_offset() % 4 == 0
+        if words:
+            shifted = torch.bitwise_right_shift(codes.view(torch.int32).unsqueeze(1),
+                                                _shifts(codes.device, torch.int32), out=b.nibble_words)
+            shifted.bitwise_and_(0x0F0F0F0F)
+        else:
+            shifted = torch.bitwise_right_shift(codes.unsqueeze(1), _shifts(codes.device, torch.uint8),
+                                                out=b.nibbles)
+            shifted.bitwise_and_(15)
+        w.copy_(b.nibble_rows)
+    w.mul_(step).add_(mn)
+
+
+def _check_x(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.dim() != 1:
+        raise ValueError(f"x must be a 1-D float32 tensor (use t.float().view(-1)), got {x.dtype} {tuple(x.shape)}")
+    return x.contiguous()
+
+
+def _check_wire(wire: torch.Tensor, nbytes: int, name: str) -> None:
+    if wire.dtype != torch.uint8 or wire.dim() != 1 or wire.numel() != nbytes:
+        raise ValueError(f"{name} must be a 1-D uint8 tensor of wire_numel() = {nbytes} bytes, "
+                         f"got {wire.dtype} {tuple(wire.shape)}")
+
+
+def _header(wire: torch.Tensor, blocks: int) -> torch.Tensor:
+    """The ``(blocks, 2)`` float32 ``(min, max)`` at the start of ``wire``."""
+    raw = wire[: HEADER_BYTES * blocks]
+    if raw.storage_offset() % 4:
+        raw = raw.clone()  # a float32 view needs 4-byte alignment
+    return raw.view(torch.float32).view(blocks, 2)
+
+
+def _block(numel: int, codec: str, block_size: int, i: int) -> tuple[int, int, int, int]:
+    """Element range and code byte range of block ``i``."""
+    blocks = -(-numel // block_size)
+    a, b = i * block_size, min((i + 1) * block_size, numel)
+    c = HEADER_BYTES * blocks + i * _code_bytes(block_size, codec)
+    return a, b, c, c + _code_bytes(b - a, codec)
+
+
+def _huge_blocks(hdr: torch.Tensor) -> list[int]:
+    """Finite blocks with ``max(|min|, |max|) >= 2**126``."""
+    m = hdr.abs().amax(dim=1)
+    return ((m >= _HUGE) & torch.isfinite(m)).nonzero().view(-1).tolist()
+
+
+def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
+           out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Encode the 1-D float32 ``x`` (any length) into a 1-D uint8 wire tensor of :func:`wire_numel` bytes.
+
+    Args:
+        x: the values; not modified.
+        codec: one of :data:`CODECS`.
+        block_size: elements per block (even).
+        out: the wire tensor to write (``wire_numel(x.numel(), codec, block_size)`` uint8); a new one otherwise.
+
+    Returns:
+        ``out``.
+
+    Example:
+        >>> encode(torch.tensor([0.0, 0.5, 1.0]), "uint8")[8:].tolist()  # after the (min, max) header
+        [0, 128, 255]
+    """
+    x = _check_x(x)
+    n = x.numel()
+    nbytes = wire_numel(n, codec, block_size)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    _check_wire(out, nbytes, "out")
+    if codec == "bf16":
+        if out.storage_offset() % 2 == 0:
+            out.view(torch.bfloat16).copy_(x)
+        else:
+            out.copy_(x.to(torch.bfloat16).view(torch.uint8))
+        return out
+    levels = _LEVELS[codec]
+    blocks = -(-n // block_size)
+    hdr = torch.empty(blocks, 2, dtype=torch.float32, device=x.device)
+    for first, count, m, start, c in _layout(n, codec, block_size):
+        rows = x[start : start + count * m].view(count, m)
+        codes = out[c : c + count * _code_bytes(m, codec)].view(count, -1)
+        k, scratch = _pieces(rows, levels, floats=True)
+        run = hdr[first : first + count]
+        for xa, mn, mx, ca in _split(k, rows, run[:, 0:1], run[:, 1:2], codes):
+            b = scratch if xa.shape[0] == scratch.k else _Scratch(xa.shape[0], m, levels, x.device)
+            # amin and amax of a piece read memory once; torch.aminmax(dim=) is about 10x slower on CPU
+            torch.amin(xa, dim=1, keepdim=True, out=mn)
+            torch.amax(xa, dim=1, keepdim=True, out=mx)
+            _quantize(xa, mn, _scale(mn, mx, levels), ca, b)
+    out[: HEADER_BYTES * blocks].copy_(hdr.view(-1).view(torch.uint8))
+    if blocks and not bool(torch.isfinite(hdr).all()):
+        _zero_nonfinite(out, hdr, n, codec, block_size)
+    for i in _huge_blocks(hdr):
+        a, b, c, d = _block(n, codec, block_size, i)
+        half = x[a:b].view(1, -1) * 0.5
+        mn, mx = hdr[i : i + 1, 0:1] * 0.5, hdr[i : i + 1, 1:2] * 0.5
+        _quantize(half, mn, _scale(mn, mx, levels), out[c:d].view(1, -1), _Scratch(1, b - a, levels, x.device))
+    return out
+
+
+def _split(k: int, *tensors: torch.Tensor):
+    """The pieces of ``k`` rows of every tensor, side by side."""
+    return zip(*(t.split(k) for t in tensors))
+
+
+def _zero_nonfinite(out: torch.Tensor, hdr: torch.Tensor, n: int, codec: str, block_size: int) -> None:
+    """Codes 0 for the blocks holding a NaN or Inf (whatever their codes were, they decode to NaN)."""
+    bad = ~torch.isfinite(hdr).all(dim=1)
+    for first, count, m, _, c in _layout(n, codec, block_size):
+        codes = out[c : c + count * _code_bytes(m, codec)].view(count, -1)
+        codes[bad[first : first + count]] = 0
+
+
+def decode(wire: torch.Tensor, numel: int, codec: str, block_size: int = DEFAULT_BLOCK,
+           out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """Decode ``numel`` float32 values from ``wire`` into ``out``, or add them to ``out`` with ``accumulate``.
+
+    ``accumulate`` adds the decoded values in float32, bit-identical to decoding into a temporary and adding
+    it (a scatter-reduce sums the ranks' copies of a chunk one after the other this way).
+
+    Args:
+        wire: 1-D uint8 tensor from :func:`encode` (``wire_numel(numel, codec, block_size)`` bytes).
+        numel: number of values encoded.
+        codec: one of :data:`CODECS`, as encoded.
+        block_size: as encoded.
+        out: 1-D float32 tensor of ``numel`` elements; a new one otherwise (required with ``accumulate``).
+        accumulate: add to ``out`` instead of overwriting it.
+
+    Returns:
+        ``out``.
+
+    Example:
+        >>> decode(encode(torch.tensor([0.0, 0.5, 1.0]), "uint8"), 3, "uint8")
+        tensor([0.0000, 0.5020, 1.0000])
+    """
+    _check_wire(wire, wire_numel(numel, codec, block_size), "wire")
+    if out is None:
+        if accumulate:
+            raise ValueError("accumulate=True adds to out: pass the out tensor")
+        out = torch.empty(numel, dtype=torch.float32, device=wire.device)
+    elif out.dtype != torch.float32 or out.dim() != 1 or out.numel() != numel or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous 1-D float32 tensor of {numel} elements, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    if codec == "bf16":
+        values = (wire if wire.storage_offset() % 2 == 0 else wire.clone()).view(torch.bfloat16)
+        if not accumulate:
+            return out.copy_(values)
+        k = PIECE if out.device.type == "cpu" else max(numel, 1)
+        w = torch.empty(min(k, numel), dtype=torch.float32, device=out.device)
+        for v, o in _split(k, values, out):  # bfloat16 + float32 in one op is about 10x slower
+            o.add_(w[: v.numel()].copy_(v))
+        return out
+    levels = _LEVELS[codec]
+    blocks = -(-numel // block_size)
+    hdr = _header(wire, blocks)
+    mn, mx = hdr[:, 0:1], hdr[:, 1:2]
+    steps = _step(mn, mx, levels)
+    huge = _huge_blocks(hdr) if blocks else []
+    for first, count, m, start, c in _layout(numel, codec, block_size):
+        rows = out[start : start + count * m].view(count, m)
+        codes = wire[c : c + count * _code_bytes(m, codec)].view(count, -1)
+        k, scratch = _pieces(rows, levels, floats=accumulate)
+        i = first
+        for ca, mna, sta, ra in _split(k, codes, mn[first : first + count], steps[first : first + count], rows):
+            b = scratch if ca.shape[0] == scratch.k else _Scratch(ca.shape[0], m, levels, out.device, accumulate)
+            dst = b.w if accumulate else ra
+            _dequantize(ca, mna, sta, dst, b)
+            for h in huge:
+                if i <= h < i + ca.shape[0]:
+                    _decode_huge(ca[h - i : h - i + 1], hdr[h], dst[h - i : h - i + 1], levels)
+            if accumulate:
+                ra.add_(dst)
+            i += ca.shape[0]
+    return out
+
+
+def _decode_huge(codes: torch.Tensor, minmax: torch.Tensor, row: torch.Tensor, levels: int) -> None:
+    """``clamp(2 * (min/2 + q * (r/2 / L)), min, max)`` into the ``(1, m)`` row."""
+    half = (minmax * 0.5).view(1, 2)
+    mn, mx = half[:, 0:1], half[:, 1:2]
+    _dequantize(codes, mn, _step(mn, mx, levels), row, _Scratch(1, row.shape[1], levels, row.device, floats=False))
+    row.mul_(2.0).clamp_(float(minmax[0]), float(minmax[1]))
+
+
+def error_bound(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK) -> torch.Tensor:
+    """Return the bound on ``|x - decode(encode(x))|`` of the module docstring, per element (shaped like ``x``).
+
+    Inf for the elements of a block holding a NaN or an Inf (and, in ``bf16``, for those that overflow).
+
+    Example:
+        >>> error_bound(torch.tensor([0.0, 1.0]), "uint8")  # half a step: 1 / 510, plus 2**-19
+        tensor([0.0020, 0.0020])
+    """
+    x = _check_x(x)
+    _check(codec, block_size)
+    if codec == "bf16":
+        bound = x.abs() * 2.0**-8 + 2.0**-134
+        return bound.masked_fill_(~(x.abs() < _BF16_OVERFLOW), float("inf"))
+    levels = _LEVELS[codec]
+    bounds = []
+    for _, count, m, start, _ in _layout(x.numel(), codec, block_size):
+        rows = x[start : start + count * m].view(count, m)
+        mn, mx = rows.amin(dim=1, keepdim=True), rows.amax(dim=1, keepdim=True)
+        big = torch.maximum(mn.abs(), mx.abs()) >= _HUGE
+        # the encoder's s, on the halved values where it halves
+        half = torch.where(big, 0.5, 1.0)
+        flat = _scale(mn * half, mx * half, levels) == 0
+        lo, hi, top = mn.double(), mx.double(), torch.maximum(mn.abs(), mx.abs()).double()
+        bound = torch.where(flat, hi - lo, (hi - lo) / (2 * levels) + 2.0**-19 * top)
+        bound = bound.masked_fill_(~(torch.isfinite(mn) & torch.isfinite(mx)), float("inf"))
+        up = bound.float()  # rounded up to float32, so that it stays a bound
+        up = torch.where(up.double() < bound, torch.nextafter(up, torch.full_like(up, float("inf"))), up)
+        bounds.append(up.expand(count, m).reshape(-1))
+    return torch.cat(bounds) if bounds else x.new_empty(0)
