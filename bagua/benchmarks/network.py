@@ -11,8 +11,10 @@ It needs root and iproute2; without them it says so and falls back to loopback p
 Namespaces are deleted on exit, on Ctrl-C, on SIGTERM and on error. Latency cannot be emulated: this kernel has
 no netem.
 
-With ``--to-target`` each system instead trains to a validation target, and the suite reports time and steps to
-the target (:mod:`bagua.benchmarks.to_target`).
+With ``--to-target`` the suite measures time to a validation target per network instead: steps to the target
+once per seed on unshaped links, step times per bandwidth, their product (real runs where the trajectory
+depends on timing); :mod:`bagua.benchmarks.to_target_plan` lists the runs, :mod:`bagua.benchmarks.to_target_table`
+combines them.
 
 Example::
 
@@ -23,7 +25,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import importlib.util
 import json
 import os
@@ -33,7 +34,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from bagua.benchmarks import netns, report, to_target
+from bagua.benchmarks import netns, report, to_target, to_target_plan
 from bagua.benchmarks.workload import MODELS, available_systems, split_system
 from bagua.torch_api import env
 
@@ -62,6 +63,8 @@ class Job:
     eval_samples: Optional[int] = None
     max_steps: Optional[int] = None
     qadam_warmup: Optional[int] = None
+    seed: int = 0
+    phase: Optional[str] = None  # time-to-accuracy phase (bagua.benchmarks.to_target_plan)
 
     def workload_args(self) -> list[str]:
         """The job's own arguments of ``python -m bagua.benchmarks.workload`` (options left unset are omitted)."""
@@ -69,7 +72,8 @@ class Job:
                 str(self.steps), "--epochs", str(self.epochs)]
         for flag, value in (("--batch-size", self.batch_size), ("--target", self.target),
                             ("--eval-every", self.eval_every), ("--eval-samples", self.eval_samples),
-                            ("--max-steps", self.max_steps), ("--qadam-warmup", self.qadam_warmup)):
+                            ("--max-steps", self.max_steps), ("--qadam-warmup", self.qadam_warmup),
+                            ("--seed", self.seed or None)):
             if value is not None:
                 argv += [flag, str(value)]
         return argv
@@ -79,7 +83,9 @@ class Job:
         return netns.format_rate(self.rate)
 
     def describe(self) -> str:
-        return f"{self.hosts} hosts {self.bandwidth} {self.model} {self.system}"
+        seed = f" seed {self.seed}" if self.phase in ("convergence", "real") else ""
+        return f"{self.hosts} hosts {self.bandwidth} {self.model} {self.system}" + (f" {self.phase}{seed}"
+                                                                                     if self.phase else "")
 
 
 def resolve_systems(spec: str) -> list[str]:
@@ -137,6 +143,8 @@ def run_job(cluster, job: Job, workdir: str, port: int, timeout_s: float) -> dic
     procs, logs = [], []
     row: dict = {"model": job.model, "system": job.system, "hosts": job.hosts, "bandwidth": job.bandwidth,
                  "rate_bps": job.rate, "emulated": cluster.emulated, "warmup": job.warmup}
+    if job.phase is not None:
+        row.update(phase=job.phase, seed=job.seed, qadam_warmup=job.qadam_warmup)
     start = time.monotonic()
     try:
         for host in hosts:
@@ -175,32 +183,16 @@ def run_job(cluster, job: Job, workdir: str, port: int, timeout_s: float) -> dic
 
 
 def _plan(args: argparse.Namespace, systems: list[str], rates: list[Optional[int]]) -> list[Job]:
+    if args.to_target:
+        return to_target_plan.plan(args, systems, rates)
     jobs = []
-    if args.to_target:  # DDP runs first: its steps to the target set the other systems' budgets
-        systems = sorted(systems, key=lambda s: s != "ddp")
     for hosts in args.hosts:
         for rate in rates:
             warmup, steps = args.steps_at.get(rate, (args.warmup, args.steps))
             for model in args.models:
-                tt = {}
-                if args.to_target:
-                    d = to_target.DEFAULTS[model]
-                    tt = {"target": args.targets.get(model, d.target), "eval_every": args.eval_every or d.eval_every,
-                          "eval_samples": d.eval_samples if args.eval_samples is None else args.eval_samples,
-                          "max_steps": args.max_steps or d.max_steps}
                 for system in systems:
-                    jobs.append(Job(model, system, hosts, rate, warmup, steps, args.epochs, args.batch_size, **tt))
+                    jobs.append(Job(model, system, hosts, rate, warmup, steps, args.epochs, args.batch_size))
     return jobs
-
-
-def _with_budget(job: Job, rows: list[dict], repeat: int) -> Job:
-    """In time-to-accuracy mode, give a non-DDP job its step budget from the DDP row of the same configuration."""
-    if job.target is None or job.system == "ddp":
-        return job
-    ddp = [r for r in rows if (r["model"], r["hosts"], r["rate_bps"], r["system"], r.get("repeat")) ==
-           (job.model, job.hosts, job.rate, "ddp", repeat)]
-    budget, qadam_warmup = to_target.step_budget(ddp[-1] if ddp else None, job.max_steps)
-    return dataclasses.replace(job, max_steps=budget, qadam_warmup=qadam_warmup)
 
 
 def run_suite(args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -218,6 +210,7 @@ def run_suite(args: argparse.Namespace) -> tuple[list[dict], dict]:
             "fallback_reason": None if emulate else reason, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
             "machine": report.machine_info(), "systems": systems}
     jobs = _plan(args, systems, rates)
+    rates = list(dict.fromkeys(job.rate for job in jobs))  # in the plan's order (to-target: unshaped first)
     rows: list[dict] = []
     meta["repeats"] = args.repeats
     netns.install_signal_handlers()
@@ -233,7 +226,7 @@ def run_suite(args: argparse.Namespace) -> tuple[list[dict], dict]:
                                         if j.hosts == hosts and j.rate == rate]:
                         bar.set_postfix_str(job.describe() + (f" #{repeat + 1}" if args.repeats > 1 else ""))
                         port = (env.find_free_network_port() if not emulate else 20000 + len(rows) % 20000)
-                        job = _with_budget(job, rows, repeat)
+                        job = to_target_plan.with_budget(job, rows)
                         rows.append(run_job(cluster, job, workdir, port, args.job_timeout))
                         rows[-1].update(run=meta["started"], repeat=repeat)
                         if rows[-1]["status"] != "ok":
@@ -304,6 +297,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                                                    "test images (0: all) per evaluation")
     p.add_argument("--max-steps", type=int, default=None, help="with --to-target: DDP's step budget; the others "
                                                                 "get 3x DDP's steps to the target")
+    p.add_argument("--seeds", type=int, default=3, help="with --to-target: seeds per convergence run (median "
+                                                         "and spread are reported)")
+    p.add_argument("--validate", action="append", default=[], metavar="SYSTEM@RATE",
+                   help="with --to-target: also train SYSTEM to the target for real at RATE and compare with steps "
+                        "x step time, e.g. ddp@1gbit (repeatable)")
+    p.add_argument("--gpu-step", action="append", default=[], metavar="MODEL=SECONDS",
+                   help="with --to-target: a model's per-GPU H100 step for the GPU-mapping column (default: "
+                        "gpu_mapping.GPU_STEP_S, assumed)")
     p.add_argument("--job-timeout", type=float, default=900.0, help="seconds before a run is killed")
     p.add_argument("--loopback", action="store_true", help="do not emulate a network even as root")
     p.add_argument("--out-dir", default="bagua-bench-results", help="where JSON/CSV/PNG go ('' for none)")
@@ -322,13 +323,23 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise ValueError(f"--hosts {args.hosts}: every host count must be at least 2")
     args.steps_at = _parse_steps_at(args.steps_at)
     given = [flag for flag, value in (("--target", args.target), ("--eval-every", args.eval_every),
-                                      ("--eval-samples", args.eval_samples), ("--max-steps", args.max_steps))
+                                      ("--eval-samples", args.eval_samples), ("--max-steps", args.max_steps),
+                                      ("--validate", args.validate), ("--gpu-step", args.gpu_step))
              if value not in (None, [])]
     if given and not args.to_target:
         raise ValueError(f"{', '.join(given)} only apply to time to accuracy: add --to-target")
     args.targets = _parse_targets(args.target, args.models if args.to_target else [])
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
+    if args.to_target and args.repeats > 1:
+        raise ValueError("--to-target repeats by seed: use --seeds N, not --repeats")
+    if args.seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
+    args.validate = to_target_plan.parse_validate(args.validate)
+    try:
+        args.gpu_step = {m: float(v) for m, _, v in (item.partition("=") for item in args.gpu_step)}
+    except ValueError:
+        raise ValueError(f"--gpu-step {args.gpu_step}: write MODEL=SECONDS, e.g. gpt=0.0075") from None
     return args
 
 
@@ -364,11 +375,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
     make_plot = check_optional_imports(args.models, want_plot=bool(args.out_dir))
     rows, meta = run_suite(args)
+    meta["gpu_step"] = args.gpu_step
     rows = report.add_speedups(report.combine_repeats(rows))
-    print(report.format_table(rows))
+    print(report.format_table(report.speed_rows(rows)))
     if args.to_target:
         print()
-        print(to_target.format_table(to_target.add_time_speedups(rows)))
+        print(to_target.format_table(to_target.add_time_speedups([r for r in rows if r.get("phase") != "step_time"])))
+        print()
+        print(report.format_time_to_target(rows, meta))
     goals = report.check_goals(rows)
     if goals:
         print()

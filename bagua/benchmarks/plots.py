@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from typing import Optional
 
-__all__ = ["plot", "figure", "plot_to_target", "figure_to_target", "caption_for", "system_order", "TITLE",
-           "TITLE_TO_TARGET"]
+__all__ = ["plot", "figure", "plot_to_target", "figure_to_target", "plot_time_vs_bandwidth",
+           "figure_time_vs_bandwidth", "caption_for", "system_order", "TITLE", "TITLE_TO_TARGET", "TITLE_VS_BANDWIDTH"]
 
 TITLE = "Training step speedup over torch DDP (higher is better)"
 TITLE_TO_TARGET = "Validation metric against training time (time to accuracy)"
-BANDWIDTH_ORDER = ["unshaped", "10gbit", "1gbit", "100mbit"]
+TITLE_VS_BANDWIDTH = "Time to target against link bandwidth (lower is better)"
+BANDWIDTH_ORDER = ["unshaped", "10gbit", "1gbit", "100mbit", "10mbit"]
 _MARKERS = "os^vD<>pP*hX"
 
 
@@ -222,3 +223,68 @@ def figure_to_target(rows: list[dict], caption: str = "", title: str = TITLE_TO_
     fig.suptitle(title + (f"\n{caption}" if caption else ""), fontsize=12)
     fig.tight_layout()
     return fig
+
+
+def plot_time_vs_bandwidth(table: list[dict], path: str, caption: str = "", title: str = TITLE_VS_BANDWIDTH) -> str:
+    """Draw time to target against bandwidth from :func:`bagua.benchmarks.to_target_table.combine`'s rows and save
+    a PNG; return ``path``."""
+    return _save(figure_time_vs_bandwidth(table, caption, title), path)
+
+
+def figure_time_vs_bandwidth(table: list[dict], caption: str = "", title: str = TITLE_VS_BANDWIDTH):
+    """One panel per (model, hosts): the median time to target of each system (seeds' range as error bars)
+    against the link bandwidth, both axes logarithmic, unshaped drawn right of the fastest link; DDP is the
+    thick black reference line. A system that missed the target on the median seed has no point there. The
+    caller closes the figure."""
+    import math
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = [c for c in table if math.isfinite(c["time_spread"].median)]
+    if not cells:
+        raise ValueError("no system reached the target: nothing to plot")
+    panels = list(dict.fromkeys((c["model"], c["hosts"]) for c in cells))
+    systems = system_order([c["system"] for c in cells])
+    styles = _styles(systems)
+    styles["ddp"] = dict(styles.get("ddp", {}), color="black", linestyle="-", linewidth=2.6)
+    shaped = [c["rate_bps"] for c in cells if c["rate_bps"]]
+    unshaped_x = 10 * max(shaped) if shaped else 1e10
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels) + 2.4, 4.6), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        sub = [c for c in cells if (c["model"], c["hosts"]) == panel]
+        for system in systems:
+            mine = sorted((c for c in sub if c["system"] == system), key=lambda c: c["rate_bps"] or unshaped_x)
+            if not mine:
+                continue
+            xs = [c["rate_bps"] or unshaped_x for c in mine]
+            med = [c["time_spread"].median for c in mine]
+            low = [m - c["time_spread"].low for m, c in zip(med, mine)]
+            high = [(c["time_spread"].high if math.isfinite(c["time_spread"].high) else m) - m
+                    for m, c in zip(med, mine)]
+            style = dict(styles[system])
+            ax.errorbar(xs, med, yerr=[low, high], label=system, capsize=3, markersize=6,
+                        linewidth=style.pop("linewidth", 1.6), **style)
+        ticks = sorted({c["rate_bps"] or unshaped_x for c in sub})
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xticks(ticks)
+        ax.set_xticklabels(["unshaped" if t == unshaped_x else _rate_label(t) for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("link bandwidth per host (log scale)")
+        ax.set_ylabel("time to target, s (log scale)")
+        ax.set_title(f"{panel[0]}, {panel[1]} hosts", fontsize=11)
+        ax.grid(True, alpha=0.3, which="both")
+    _legend_outside(fig, axes[0], "system (DDP: black)")
+    fig.suptitle(title + (f"\n{caption}" if caption else ""), fontsize=12)
+    fig.tight_layout()
+    return fig
+
+
+def _rate_label(bits_per_s: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bits_per_s >= scale:
+            return f"{bits_per_s / scale:g} {unit}"
+    return f"{bits_per_s:g} bit/s"

@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import platform
@@ -34,8 +35,8 @@ import statistics
 import sys
 from typing import Optional, Sequence
 
-from bagua.benchmarks import to_target
-from bagua.benchmarks.plots import caption_for, plot, plot_to_target
+from bagua.benchmarks import to_target, to_target_table
+from bagua.benchmarks.plots import caption_for, plot, plot_time_vs_bandwidth, plot_to_target
 
 __all__ = [
     "summarize_ranks",
@@ -49,6 +50,9 @@ __all__ = [
     "plot",
     "machine_info",
     "merge",
+    "time_to_target_results",
+    "speed_rows",
+    "format_time_to_target",
     "main",
     "GOALS",
 ]
@@ -89,6 +93,7 @@ def summarize_ranks(ranks: list[dict], rate_bps: Optional[int], emulated: bool) 
     accuracies = [r["accuracy"] for r in ranks if r.get("accuracy") is not None]
     return {
         "step_s": step,
+        "mean_step_s": max(statistics.mean(r["step_times_s"]) for r in ranks),
         "step_times_s": ranks[0]["step_times_s"],
         "timed_steps": ranks[0]["timed_steps"],
         "samples_per_s": world * ranks[0]["batch_size"] / step,
@@ -118,7 +123,8 @@ def combine_repeats(rows: list[dict]) -> list[dict]:
     numbers are the medians over the successful repeats; ``step_s_repeats`` keeps each repeat's step."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r.get("run"), r["model"], r["hosts"], r["bandwidth"], r["system"]), []).append(r)
+        key = (r.get("run"), r.get("phase"), r.get("seed"), r["model"], r["hosts"], r["bandwidth"], r["system"])
+        groups.setdefault(key, []).append(r)
     out = []
     for group in groups.values():
         ok = [r for r in group if r.get("status") == "ok"]
@@ -143,7 +149,7 @@ def add_speedups(rows: list[dict]) -> list[dict]:
     """
 
     def key(r: dict) -> tuple:
-        return (r.get("run"), r["model"], r["hosts"], r["bandwidth"])
+        return (r.get("run"), r.get("phase"), r.get("seed"), r["model"], r["hosts"], r["bandwidth"])
 
     ddp = {key(r): r["step_s"] for r in rows if r["system"] == "ddp" and r.get("status") == "ok"}
     for r in rows:
@@ -239,6 +245,41 @@ def machine_info() -> dict:
             "loadavg_1_5_15": list(os.getloadavg())}
 
 
+def time_to_target_results(rows: list[dict], meta: dict) -> dict:
+    """The time-to-accuracy combination of a ``--to-target`` run (bagua.benchmarks.to_target_table): the table,
+    the validations and one recommendation per bandwidth; the GPU column needs docs/results/cost-model.json."""
+    from bagua.benchmarks import gpu_mapping
+
+    try:
+        fit = gpu_mapping.load_fit()
+    except ValueError as exc:
+        print(f"bagua-bench: no GPU-mapping column: {exc}", file=sys.stderr)
+        fit = None
+    cores = int(meta.get("machine", {}).get("cpus") or os.cpu_count() or 1)
+    table = to_target_table.combine(rows, fit, meta.get("gpu_step"), cores)
+    return {"table": table, "validation": to_target_table.validate(rows),
+            "recommendations": to_target_table.recommend(table)}
+
+
+def format_time_to_target(rows: list[dict], meta: dict) -> str:
+    """The combination as Markdown tables, then the validations and the recommendations."""
+    tt = time_to_target_results(rows, meta)
+    parts = [to_target_table.format_markdown(tt["table"]), to_target_table.format_validation(tt["validation"]),
+             "\n".join(tt["recommendations"])]
+    return "\n\n".join(p for p in parts if p)
+
+
+def speed_rows(rows: list[dict]) -> list[dict]:
+    """The rows that measure step speed: all of a speed run, the ``step_time`` phase of a ``--to-target`` run."""
+    return [r for r in rows if r.get("phase") in (None, "step_time")]
+
+
+def _jsonable(value):
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
 def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_plot: bool = True,
                   goals: Optional[list[dict]] = None) -> list[str]:
     """Write ``<name>.json`` and ``<name>.csv`` (and ``<name>.png``) under ``out_dir``; return the paths."""
@@ -246,20 +287,32 @@ def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_pl
     rows = to_target.add_time_speedups(add_speedups(rows))
     paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "csv")]
     with open(paths[0], "w") as f:
-        json.dump({"meta": meta, "goals": goals if goals is not None else check_goals(rows), "results": rows}, f,
-                  indent=1)
-    columns = ["model", "hosts", "bandwidth", "system", "status", "step_s", "samples_per_s", "speedup",
+        data = {"meta": meta, "goals": goals if goals is not None else check_goals(rows), "results": rows}
+        if any(r.get("phase") for r in rows):
+            data["time_to_target"] = tt = time_to_target_results(rows, meta)
+        json.dump(data, f, indent=1, default=_jsonable)
+    columns = ["model", "hosts", "bandwidth", "system", "status", "step_s", "mean_step_s", "samples_per_s", "speedup",
                "step_ratio", "bytes_per_step", "line_rate", "accuracy", "accuracy_min", "final_loss", "compute_s",
                "compress_s", "communicate_s", "wait_s", "timed_steps", "warmup", "emulated", "error"]
     if any("target_status" in r for r in rows):
         columns += to_target.COLUMNS
+    if any(r.get("phase") for r in rows):
+        columns += ["phase", "seed", "qadam_warmup"]
     with open(paths[1], "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         for r in rows:
             writer.writerow({k: r.get(k) for k in columns})
-    if make_plot and any(r.get("status") == "ok" and r.get("speedup") is not None for r in rows):  # vs DDP
-        paths.append(plot(rows, os.path.join(out_dir, f"{name}.png"), caption=caption_for(meta)))
+    speed = speed_rows(rows)
+    if make_plot and any(r.get("status") == "ok" and r.get("speedup") is not None for r in speed):  # vs DDP
+        paths.append(plot(speed, os.path.join(out_dir, f"{name}.png"), caption=caption_for(meta)))
+    if any(r.get("phase") for r in rows):
+        paths.append(os.path.join(out_dir, f"{name}-table.md"))
+        with open(paths[-1], "w") as f:
+            f.write(format_time_to_target(rows, meta) + "\n")
+        if make_plot and any(c["time_spread"].median < float("inf") for c in tt["table"]):
+            paths.append(plot_time_vs_bandwidth(tt["table"], os.path.join(out_dir, f"{name}-vs-bandwidth.png"),
+                                                caption=caption_for(meta, what="median of seeds, bars: range")))
     if make_plot and any(r.get("status") == "ok" and r.get("curve") for r in rows):
         paths.append(plot_to_target(rows, os.path.join(out_dir, f"{name}-to-target.png"),
                                     caption=caption_for(meta, what="metric every --eval-every steps")))
@@ -281,7 +334,7 @@ def merge(paths: Sequence[str]) -> tuple[list[dict], dict]:
     # a configuration measured again (e.g. a failed run repeated) keeps its last successful result
     best: dict[tuple, dict] = {}
     for r in rows:
-        key = (r["model"], r["hosts"], r["bandwidth"], r["system"])
+        key = (r.get("phase"), r.get("seed"), r["model"], r["hosts"], r["bandwidth"], r["system"])
         if key not in best or r.get("status") == "ok" or best[key].get("status") != "ok":
             best[key] = r
     rows = list(best.values())
@@ -310,7 +363,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(path) as f:
                 meta = json.load(f)["meta"]
             out = os.path.join(args.out_dir or os.path.dirname(path), os.path.splitext(os.path.basename(path))[0])
-            print("wrote " + plot(rows, out + ".png", caption=caption_for(meta)))
+            speed = speed_rows(rows)
+            if any(r.get("status") == "ok" and r.get("speedup") is not None for r in speed):
+                print("wrote " + plot(speed, out + ".png", caption=caption_for(meta)))
+            if any(r.get("phase") for r in rows):
+                table = time_to_target_results(rows, meta)["table"]
+                print("wrote " + plot_time_vs_bandwidth(table, out + "-vs-bandwidth.png",
+                                                        caption=caption_for(meta, what="median of seeds, bars: range")))
             if any(r.get("status") == "ok" and r.get("curve") for r in rows):
                 print("wrote " + plot_to_target(rows, out + "-to-target.png",
                                                 caption=caption_for(meta, what="metric every --eval-every steps")))
@@ -321,7 +380,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         with open(os.path.join(out_dir, f"{args.name}.md"), "w") as f:
             f.write(format_markdown(rows) + "\n")
     goals = check_goals(rows)
-    print(format_table(rows))
+    print(format_table(speed_rows(rows)))
+    if any(r.get("phase") for r in rows):
+        print("\n" + format_time_to_target(rows, meta))
     if goals:
         print()
         print(format_goals(goals))

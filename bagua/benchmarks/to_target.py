@@ -237,7 +237,7 @@ def add_time_speedups(rows: list[dict]) -> list[dict]:
     """Add ``time_speedup`` (DDP's time to target / the system's) where both reached the target."""
 
     def key(r: dict) -> tuple:
-        return (r.get("run"), r.get("repeat"), r["model"], r["hosts"], r["bandwidth"])
+        return (r.get("run"), r.get("repeat"), r.get("seed"), r.get("phase"), r["model"], r["hosts"], r["bandwidth"])
 
     ddp = {key(r): r["time_to_target_s"] for r in rows
            if r["system"] == "ddp" and r.get("status") == "ok" and r.get("time_to_target_s")}

@@ -1,0 +1,105 @@
+"""The runs of ``bagua-bench --to-target``: convergence measured once, step time per network, over seeds.
+
+For every host count and model, in this order (DDP first in each phase, since its steps set the others' budgets):
+
+1. ``convergence``: every synchronous system trains to the target on unshaped links, once per seed
+   (``--seeds``). Its trajectory is the same on any link (the same gradients are combined in the same order,
+   only later), so these steps to target hold at every bandwidth;
+2. ``step_time``: every synchronous system runs ``--warmup`` + ``--steps`` steps at every bandwidth (seed 0),
+   rounded up to whole rounds of a local-update system (:func:`~bagua.benchmarks.systems.steps_per_round`);
+3. ``real``: every system whose trajectory depends on timing (:func:`timing_dependent`: asynchronous averaging,
+   or an algorithm class that sets ``trajectory_depends_on_timing = True``, e.g. one overlapping communication
+   with later steps) trains to the target for real at every bandwidth, unshaped included, once per seed;
+4. ``validation`` (``--validate SYSTEM@RATE``): one synchronous system trains to the target for real at a
+   shaped bandwidth (seed 0), to check steps x step time against it (:func:`bagua.benchmarks.to_target_table.validate`).
+
+Budgets: DDP trains for at most ``--max-steps``; every other system for 3x DDP's steps of the same seed.
+:mod:`bagua.benchmarks.to_target_table` combines the rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Optional, Sequence
+
+from bagua.benchmarks import to_target
+
+__all__ = ["TIMING_DEPENDENT", "timing_dependent", "plan", "with_budget", "parse_validate"]
+
+#: systems whose trajectory depends on when communication finishes, not only on the steps taken
+TIMING_DEPENDENT = ("async",)
+
+
+def timing_dependent(spec: str) -> bool:
+    """Whether ``spec``'s trajectory depends on timing, so it must be run to the target at every bandwidth."""
+    from bagua.benchmarks.systems import DDP_SYSTEMS, load_algorithm_modules, split_system
+    from bagua.torch_api.algorithms import GlobalAlgorithmRegistry
+
+    name = split_system(spec)[0]
+    if name in TIMING_DEPENDENT:
+        return True
+    if name in DDP_SYSTEMS:
+        return False
+    load_algorithm_modules()
+    return bool(getattr(GlobalAlgorithmRegistry.get(name), "trajectory_depends_on_timing", False))
+
+
+def parse_validate(items: Sequence[str]) -> list[tuple[str, str]]:
+    """``SYSTEM@RATE`` items as (system, rate) pairs."""
+    out = []
+    for item in items:
+        system, sep, rate = item.rpartition("@")
+        if not sep or not system or not rate:
+            raise ValueError(f"--validate {item!r}: write SYSTEM@RATE, e.g. ddp@1gbit")
+        out.append((system, rate))
+    return out
+
+
+def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optional[int]]) -> list:
+    """The jobs of a ``--to-target`` suite run, in the order they must run (see the module docstring)."""
+    from bagua.benchmarks.netns import parse_rate
+    from bagua.benchmarks.network import Job
+    from bagua.benchmarks.systems import steps_per_round
+
+    systems = sorted(systems, key=lambda s: s != "ddp")
+    timed = {s: timing_dependent(s) for s in systems}
+    validations = [(s, parse_rate(r)) for s, r in args.validate]
+    shaped = [r for r in rates if r is not None]
+    jobs = []
+    for hosts in args.hosts:
+        for model in args.models:
+            d = to_target.DEFAULTS[model]
+            tt = {"target": args.targets.get(model, d.target), "eval_every": args.eval_every or d.eval_every,
+                  "eval_samples": d.eval_samples if args.eval_samples is None else args.eval_samples,
+                  "max_steps": args.max_steps or d.max_steps}
+
+            def job(system: str, rate: Optional[int], phase: str, seed: int = 0, **kw) -> Job:
+                warmup, steps = args.steps_at.get(rate, (args.warmup, args.steps))
+                period = steps_per_round(system)
+                steps = -(-steps // period) * period
+                return Job(model, system, hosts, rate, warmup, steps, args.epochs, args.batch_size, seed=seed,
+                           phase=phase, **kw)
+
+            for system in systems:
+                for seed in range(args.seeds):
+                    jobs.append(job(system, None, "real" if timed[system] else "convergence", seed, **tt))
+            for rate in [None] + shaped:
+                jobs += [job(s, rate, "step_time") for s in systems if not timed[s]]
+            for rate in shaped:
+                jobs += [job(s, rate, "real", seed, **tt) for s in systems if timed[s] for seed in range(args.seeds)]
+            for system, rate in validations:
+                if rate in shaped and not timing_dependent(system):
+                    jobs.append(job(system, rate, "validation", 0, **tt))
+    return jobs
+
+
+def with_budget(job, rows: Sequence[dict]):
+    """A non-DDP to-target job with its step budget and QAdam warmup from DDP's convergence row of the same
+    model, hosts and seed."""
+    if job.target is None or job.system == "ddp":
+        return job
+    ddp = [r for r in rows if (r["model"], r["hosts"], r["system"], r.get("phase"), r.get("seed", 0)) ==
+           (job.model, job.hosts, "ddp", "convergence", job.seed)]
+    budget, qadam_warmup = to_target.step_budget(ddp[-1] if ddp else None, job.max_steps)
+    return dataclasses.replace(job, max_steps=budget, qadam_warmup=qadam_warmup)
