@@ -1,4 +1,5 @@
-"""Optional pieces around the engine: fused optimizer, load-balanced samplers, cached dataset, sync batchnorm.
+"""Optional pieces around the engine: fused optimizer, load-balanced samplers, cached dataset, sync batchnorm, and
+Bagua for plain torch DDP (``ddp_hooks``: ByteGrad as a DDP comm hook; ``DiLoCoOptimizer``).
 
 Names are imported lazily so that ``import bagua.torch_api`` never needs the optional extras (``lmdb``,
 ``redis``) installed.
@@ -18,6 +19,7 @@ __all__ = [
     "CachedDataset",
     "SyncBatchNorm",
     "convert_sync_batchnorm",
+    "DiLoCoOptimizer",
 ]
 
 _LAZY = {
@@ -29,6 +31,7 @@ _LAZY = {
     "CachedDataset": "bagua.torch_api.contrib.cached_dataset",
     "SyncBatchNorm": "bagua.torch_api.contrib.sync_batchnorm",
     "convert_sync_batchnorm": "bagua.torch_api.contrib.sync_batchnorm",
+    "DiLoCoOptimizer": "bagua.torch_api.contrib.diloco_optimizer",
 }
 
 

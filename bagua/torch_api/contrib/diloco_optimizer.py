@@ -1,0 +1,352 @@
+"""DiLoCo for plain DDP: an optimizer wrapper, designed after torch's ``PostLocalSGDOptimizer`` / ``ModelAverager``.
+
+The maths of :class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithm` (DiLoCo, https://arxiv.org/abs/2311.08105;
+Streaming DiLoCo, https://arxiv.org/abs/2501.18512), built from the same pieces (:mod:`bagua.torch_api.diloco_ops`),
+for people who keep torch DDP, Accelerate or a Hugging Face ``Trainer``:
+
+1. inner steps: every rank steps its own optimizer (the *inner* one) on its own gradients. DDP must not average
+   them: register :func:`bagua.torch_api.contrib.ddp_hooks.local_hook` on the DDP model, or run the backward
+   passes under ``no_sync()``;
+2. after every ``H``-th step (``sync_every``; with ``F`` fragments, each fragment at its own evenly spaced step of
+   every round), the fragment's pseudo-gradient ``delta = g - x`` (``g``: its global weights, float32, the same on
+   every rank; ``x``: this rank's weights) is averaged over the ranks on a process group of the optimizer's own;
+3. the outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9 by default) steps ``g`` with that average, and the
+   weights become ``x = g`` (or, when the exchange overlapped ``tau`` inner steps, ``x = alpha * x + (1 - alpha) * g``).
+
+Steps are counted at every call of :meth:`DiLoCoOptimizer.step`, including those that ``torch.amp.GradScaler``
+skips: the optimizer declares ``_step_supports_amp_scaling``, so ``scaler.step(optimizer)`` always calls it and
+hands it ``found_inf`` and ``grad_scale``; a rank whose gradients overflowed skips its inner step but keeps the
+synchronization schedule of the others. The weights start as rank 0's (broadcast when the fragments are built).
+
+With the same hyper-parameters, model, data and inner optimizer, it gives the weights of ``with_bagua`` and
+``DiLoCoAlgorithm(hierarchical=False)``, bit for bit (tests/contrib/test_diloco_optimizer.py).
+
+Example:
+    >>> ddp = torch.nn.parallel.DistributedDataParallel(model)  # doctest: +SKIP
+    >>> ddp.register_comm_hook(None, ddp_hooks.local_hook)  # doctest: +SKIP
+    >>> optimizer = DiLoCoOptimizer(torch.optim.AdamW(ddp.parameters(), lr=1e-3), sync_every=50)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from bagua.torch_api import collectives, env
+from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+from bagua.torch_api.compressed_allreduce import all_finite
+from bagua.torch_api.contrib._own_group import group_ranks, own_communicator
+from bagua.torch_api.data_parallel._comm_plane import CommJob, CommWorker
+from bagua.torch_api.diloco_ops import Fragment, due_fragments, split_fragments, sync_offsets
+from bagua.torch_api.reduce_op import ReduceOp
+
+__all__ = ["DiLoCoOptimizer"]
+
+
+def _hyper(**kwargs: Any) -> DiLoCoAlgorithm:
+    """The hyper-parameters, checked as :class:`DiLoCoAlgorithm` checks them, errors naming this class."""
+    try:
+        hyper = DiLoCoAlgorithm(hierarchical=False, **kwargs)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("DiLoCoAlgorithm(", "DiLoCoOptimizer(")) from None
+    if hyper.compression != "none":
+        try:
+            import bagua.torch_api.block_allreduce  # noqa: F401
+        except ImportError:
+            raise ValueError(f"DiLoCoOptimizer(compression={hyper.compression!r}) needs the block codec allreduce "
+                             "(bagua.torch_api.block_allreduce), which this version lacks; use compression='none'"
+                             ) from None
+    return hyper
+
+
+class DiLoCoOptimizer(torch.optim.Optimizer):
+    """Wrap an optimizer so that every ``sync_every`` of its steps end with DiLoCo's outer step.
+
+    Building it is collective (it creates a process group of its own and broadcasts rank 0's weights): every rank
+    builds it, in the same order relative to other groups.
+
+    Args:
+        inner_optimizer: the optimizer of the inner steps (e.g. ``AdamW``), over the parameters of the model.
+        sync_every: inner steps between two synchronizations of a fragment (``H``).
+        outer_lr, outer_momentum, nesterov: the default outer optimizer, SGD.
+        outer_optimizer: instead, a factory ``f(list_of_tensors) -> torch.optim.Optimizer``.
+        fragments, fragment_layout: Streaming DiLoCo's fragments (1: plain DiLoCo), ``"contiguous"`` or
+            ``"strided"``; parameters are taken in the inner optimizer's order.
+        overlap_steps, overlap_alpha: ``tau`` inner steps run while a fragment's exchange travels (on a thread of
+            the optimizer's own), and the merge weight ``alpha``.
+        compression, error_feedback, block_size: what the pseudo-gradient travels as (``"none"``: float32).
+        warmup_steps: steps before the first inner phase, whose gradients DDP averages: register
+            ``local_hook`` with ``LocalState(warmup_steps=...)`` of the same value.
+        offload_outer_state: keep the global weights and the outer optimizer's state in CPU memory.
+        process_group: the ranks to synchronize (``None``: the default group; a torch ``ProcessGroup`` or a
+            ``BaguaProcessGroup``).
+
+    The meaning of each hyper-parameter is that of :class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithm`.
+
+    Attributes: ``inner`` (the wrapped optimizer), ``steps`` (steps counted), ``syncs`` (outer steps taken),
+    ``bytes_sent``.
+
+    Example:
+        >>> inner = torch.optim.AdamW(ddp.parameters(), lr=1e-3)  # doctest: +SKIP
+        >>> optimizer = DiLoCoOptimizer(inner, sync_every=100, fragments=4)  # doctest: +SKIP
+        >>> scaler.step(optimizer)  # or optimizer.step()  # doctest: +SKIP
+    """
+
+    #: GradScaler.step calls step() even when it found Inf/NaN, passing found_inf/grad_scale: skipped inner steps
+    #: are still counted, so the ranks keep one synchronization schedule
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        inner_optimizer: torch.optim.Optimizer,
+        sync_every: int = 50,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        outer_optimizer: Optional[Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = None,
+        fragments: int = 1,
+        fragment_layout: str = "contiguous",
+        overlap_steps: int = 0,
+        overlap_alpha: float = 0.5,
+        compression: str = "none",
+        error_feedback: Optional[bool] = None,
+        block_size: int = 4096,
+        warmup_steps: int = 0,
+        offload_outer_state: bool = False,
+        process_group: Any = None,
+    ) -> None:
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise ValueError(f"DiLoCoOptimizer(inner_optimizer=...) must be a torch.optim.Optimizer, e.g. "
+                             f"torch.optim.AdamW(model.parameters()); got {type(inner_optimizer).__name__}")
+        # user hyper-parameters
+        self.inner = inner_optimizer
+        self.hyper = _hyper(
+            sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+            outer_optimizer=outer_optimizer, fragments=fragments, fragment_layout=fragment_layout,
+            overlap_steps=overlap_steps, overlap_alpha=overlap_alpha, compression=compression,
+            error_feedback=error_feedback, block_size=block_size, warmup_steps=warmup_steps,
+            offload_outer_state=offload_outer_state,
+        )
+        self.error_feedback = compression != "none" if error_feedback is None else error_feedback
+        # internal state
+        self.ranks = group_ranks(process_group, "DiLoCoOptimizer")
+        self._communicator = own_communicator(self.ranks)
+        self._worker = CommWorker("bagua-diloco-optimizer", None) if overlap_steps > 0 else None
+        self._offsets = sync_offsets(sync_every, fragments)
+        self.fragments: list[Fragment] = []
+        self._loaded: Optional[dict[str, torch.Tensor]] = None
+        self.steps = 0
+        # stats
+        self.syncs = 0
+        self.bytes_sent = 0
+        if warmup_steps == 0:
+            self._build_fragments()
+
+    # -- the optimizer interface, delegated to the inner optimizer ---------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.inner.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.inner.defaults
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise ValueError("DiLoCoOptimizer: add the parameter group to the inner optimizer before wrapping it (the "
+                         "fragments' global weights are built over the parameters it holds then)")
+
+    def __repr__(self) -> str:
+        return f"DiLoCoOptimizer({self.inner!r}, sync_every={self.hyper.sync_every}, fragments={len(self.fragments)})"
+
+    # -- one step ------------------------------------------------------------------------------------------------
+
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+        """Run the inner step (unless GradScaler found Inf/NaN), then :meth:`after_inner_step`."""
+        found_inf = getattr(self, "found_inf", None)  # both set by GradScaler.step (_step_supports_amp_scaling)
+        grad_scale = getattr(self, "grad_scale", None)
+        loss = None
+        if found_inf is None or not bool(found_inf):
+            if grad_scale is not None:
+                self._unscale(grad_scale)
+            loss = self.inner.step() if closure is None else self.inner.step(closure)
+        self.after_inner_step()
+        return loss
+
+    @torch.no_grad()
+    def _unscale(self, grad_scale: torch.Tensor) -> None:
+        # as GradScaler.unscale_: one multiplication by the float32 of the float64 reciprocal
+        inv = grad_scale.double().reciprocal().float()
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(inv.to(p.grad.device))
+
+    def after_inner_step(self) -> None:
+        """Count one inner step (taken or skipped) and run the synchronizations it makes due.
+
+        :meth:`step` calls it; call it yourself after each step of the inner optimizer when a framework steps that
+        optimizer (a Hugging Face ``TrainerCallback.on_optimizer_step``), on every rank, skipped steps included.
+        """
+        self.steps += 1
+        W, H, tau = self.hyper.warmup_steps, self.hyper.sync_every, self.hyper.overlap_steps
+        if self.steps <= W:
+            if self.steps == W:
+                self._build_fragments()  # the inner phases start from the weights the warm-up ended with
+            return
+        step = self.steps - W
+        for fragment in self.fragments:
+            if fragment.pending is not None and fragment.pending[0] <= step:
+                self._finish(fragment)
+        for p in due_fragments(step, H, self._offsets):
+            self._start(self.fragments[p], step + tau)
+            if tau == 0:
+                self._finish(self.fragments[p])
+
+    # -- fragments and their exchanges -------------------------------------------------------------------------
+
+    def _parameters(self) -> list[torch.nn.Parameter]:
+        seen: set[int] = set()
+        params = []
+        for group in self.inner.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        if not params:
+            raise ValueError("DiLoCoOptimizer: the inner optimizer holds no trainable parameter")
+        return params
+
+    @torch.no_grad()
+    def _build_fragments(self, broadcast: bool = True) -> None:
+        params = self._parameters()
+        c = self._communicator
+        if broadcast and c.group is not None and c.nranks() > 1:  # rank 0's weights everywhere, as with_bagua does
+            for p in params:
+                dist.broadcast(p.data, c.global_rank(0), group=c.group)
+        parts = split_fragments([p.numel() * p.element_size() for p in params], self.hyper.fragments,
+                                self.hyper.fragment_layout)
+        outer = self.hyper.outer_optimizer or functools.partial(
+            torch.optim.SGD, lr=self.hyper.outer_lr, momentum=self.hyper.outer_momentum,
+            nesterov=self.hyper.nesterov and self.hyper.outer_momentum > 0,
+        )
+        self.fragments = [Fragment(i, [params[k] for k in part], outer, self.hyper.offload_outer_state)
+                          for i, part in enumerate(parts)]
+        if self._loaded is not None:
+            self._load_diloco(self._loaded)
+
+    def _start(self, fragment: Fragment, finish_step: int) -> None:
+        delta = fragment.pseudo_gradient()
+        job = None
+        if self._worker is not None:
+            job = CommJob(self._worker, lambda: self._exchange(fragment, delta),
+                          f"DiLoCo exchange of fragment {fragment.index}", cuda=delta.is_cuda)
+        else:
+            self._exchange(fragment, delta)
+        fragment.pending = (finish_step, job)
+
+    def _exchange(self, fragment: Fragment, delta: torch.Tensor) -> None:
+        """Average ``delta`` over the ranks, in place."""
+        c = self._communicator
+        if self.hyper.compression == "none":
+            collectives.allreduce_inplace(delta, ReduceOp.AVG, c)
+            self.bytes_sent += 4 * delta.numel()
+            return
+        from bagua.torch_api.block_allreduce import block_allreduce_inplace
+        from bagua.torch_api.block_codec import wire_numel
+
+        fragment.workspace = block_allreduce_inplace(
+            delta, c, self.hyper.compression, self.hyper.block_size, average=True, workspace=fragment.workspace,
+            error_feedback=self.error_feedback, tag=fragment.index,
+        )
+        self.bytes_sent += wire_numel(-(-delta.numel() // c.nranks()), self.hyper.compression,
+                                      self.hyper.block_size) * c.nranks()
+
+    def _finish(self, fragment: Fragment) -> None:
+        assert fragment.pending is not None
+        _, job = fragment.pending
+        if job is not None:
+            job.wait(env.get_comm_timeout_s())
+        fragment.pending = None
+        if not all_finite(fragment.delta):
+            raise FloatingPointError(
+                f"DiLoCoOptimizer: the averaged pseudo-gradient of fragment {fragment.index} holds NaN or Inf, so some "
+                "rank's weights diverged during the inner steps; the global weights were left as they were. Lower "
+                "the inner learning rate, clip gradients, or use torch.amp.GradScaler (which skips non-finite steps)"
+            )
+        fragment.outer_step(self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0)
+        self.syncs += 1
+
+    def _make_workspace(self, fragment: Fragment) -> object:
+        from bagua.torch_api.block_allreduce import BlockWorkspace
+
+        return BlockWorkspace(fragment.numel, self._communicator.nranks(), fragment.device, self.hyper.compression,
+                              self.hyper.block_size, error_feedback=self.error_feedback)
+
+    # -- checkpoints and teardown ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict plus this rank's DiLoCo state under ``"diloco"`` (step counter, global
+        weights, outer-optimizer tensors, residuals, an exchange in flight, waited for). Ranks differ between
+        synchronizations: save every rank's."""
+        state = self.inner.state_dict()
+        diloco: dict[str, torch.Tensor] = {"steps": torch.tensor(self.steps)}
+        for fragment in self.fragments:
+            if fragment.pending is not None:
+                finish_step, job = fragment.pending
+                if job is not None:
+                    job.wait(env.get_comm_timeout_s())
+                fragment.pending = (finish_step, None)  # the average is in fragment.delta
+                diloco[f"{fragment.index}.pending_finish"] = torch.tensor(finish_step)
+                diloco[f"{fragment.index}.pending_average"] = fragment.delta.detach().clone()
+            diloco.update(fragment.state_dict())
+        state["diloco"] = diloco
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (on the same rank)."""
+        state = dict(state_dict)
+        diloco = state.pop("diloco", None)
+        self.inner.load_state_dict(state)
+        if diloco is None:
+            return
+        self.steps = int(diloco["steps"])
+        if self.fragments:
+            self._load_diloco(diloco)
+        elif self.steps >= self.hyper.warmup_steps:  # saved after the warm-up: the weights are each rank's own
+            self._loaded = diloco
+            self._build_fragments(broadcast=False)
+        # else still warming up: the fragments are built when the warm-up ends
+
+    def _load_diloco(self, diloco: dict[str, torch.Tensor]) -> None:
+        self._loaded = None
+        for fragment in self.fragments:
+            fragment.load_state_dict(diloco, functools.partial(self._make_workspace, fragment))
+            key = f"{fragment.index}.pending_finish"
+            if key in diloco:
+                fragment.delta.copy_(diloco[f"{fragment.index}.pending_average"])
+                fragment.pending = (int(diloco[key]), None)
+
+    def close(self) -> None:
+        """Wait for an exchange in flight and stop the communication thread."""
+        for fragment in self.fragments:
+            if fragment.pending is not None and fragment.pending[1] is not None:
+                fragment.pending[1].wait(env.get_comm_timeout_s())
+                fragment.pending = (fragment.pending[0], None)
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
