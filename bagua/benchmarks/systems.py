@@ -1,6 +1,7 @@
 """The systems the workload trains with: torch DDP variants and Bagua algorithms, wrapped and instrumented.
 
 A *system* is a spec ``name[:key=value...]`` (:func:`split_system`): ``ddp``, ``ddp_fp16``, ``ddp_powersgd``,
+``ddp_bytegrad`` (Bagua's ByteGrad as a DDP comm hook),
 ``ddp_post_local_sgd[:period=P:warmup=W]`` (torch's post-local SGD, :func:`_post_local_sgd`) or a name in Bagua's
 algorithm registry (:func:`available_systems`). :func:`make_system` wraps a model for it, builds its
 optimizer and times its communication (:class:`_IntervalTimer`); :func:`untimed_steps` and
@@ -21,7 +22,7 @@ import torch
 __all__ = ["DDP_SYSTEMS", "split_system", "load_algorithm_modules", "available_systems", "System", "untimed_steps",
            "qadam_warmup_steps", "make_system", "POST_LOCAL_SGD_DEFAULTS", "steps_per_round"]
 
-DDP_SYSTEMS = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_post_local_sgd")
+DDP_SYSTEMS = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_post_local_sgd", "ddp_bytegrad")
 
 #: ``ddp_post_local_sgd``'s options: average the weights every ``period`` steps after ``warmup`` steps of plain
 #: DDP; compare with a local-update algorithm by giving it the same period (e.g. ``period=8`` for 8 inner steps)
@@ -276,6 +277,13 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
             timer = None
         elif name == "ddp_fp16":
             ddp.register_comm_hook(None, _timed_hook(default_hooks.fp16_compress_hook, timer))
+        elif name == "ddp_bytegrad":  # Bagua's ByteGrad as a comm hook on plain DDP (docs/integrations.md)
+            from bagua.torch_api.contrib.ddp_hooks import ByteGradState, bytegrad_hook
+
+            state = ByteGradState()
+            ddp.register_comm_hook(state, _timed_hook(bytegrad_hook, timer))
+            return System(ddp, _make_optimizer(optimizer_kind, ddp.parameters(), lr), ddp.no_sync, timer,
+                          close=state.close, notes=["ByteGrad as a DDP comm hook (contrib.ddp_hooks.bytegrad_hook)"])
         else:
             # start_powerSGD_iter must be > 1 (DDP rebuilds its buckets after the first iteration)
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
