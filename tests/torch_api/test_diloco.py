@@ -173,3 +173,48 @@ def test_h1_outer_lr1_is_gradient_averaging(tmp_path):
         for g, e in zip(got, expected):
             for a, b in zip(g, e):
                 assert_close(a, b, rtol=0, atol=1e-6)
+
+
+# -- compressed pseudo-gradients: identical ranks, within the codec's error ---------------------------------
+
+
+def _worker_compressed(rank, world_size, compression, H):
+    from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+
+    algorithm = DiLoCoAlgorithm(sync_every=H, compression=compression, hierarchical=False)
+    got = _train_diloco(rank, 2 * H, algorithm, _adamw)
+    # the exact run up to its first synchronization: the same inner steps, then a float32 average
+    model = make_model(0)
+    opt = _adamw(model.parameters())
+    start = [p.detach().clone() for p in model.parameters()]
+    for step in range(1, H + 1):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    deltas = [g - p.detach() for g, p in zip(start, model.parameters())]
+    spread = torch.cat([d.reshape(-1) for d in deltas])
+    ranges = [torch.empty(2) for _ in range(world_size)]
+    dist.all_gather(ranges, torch.stack([spread.min(), spread.max()]))
+    avg = [_mean_over_ranks(d) for d in deltas]
+    exact = [torch.add(g, a, alpha=-0.7 * 1.9) for g, a in zip(start, avg)]  # first outer step: (1 + m) * avg
+    return got, exact, max(float(r[1] - r[0]) for r in ranges), max(float(d.abs().max()) for d in deltas)
+
+
+@pytest.mark.parametrize("compression", ["bf16", "uint8", "uint4"])
+def test_compressed_ranks_agree_and_stay_within_the_codec_bound(compression):
+    H = 3
+    results = run_workers(_worker_compressed, 2, compression, H, timeout=120)
+    for step in (H, 2 * H):  # bit for bit after each synchronization, whatever the codec
+        for a, b in zip(results[0][0][step - 1], results[1][0][step - 1]):
+            assert torch.equal(a, b), (compression, step)
+    # first synchronization: the average is quantized twice (each rank's chunk, then the owner's average), each
+    # within half a step of its block's range (the average's range is at most the largest rank's range);
+    # bf16 rounds twice to 8 significant bits
+    widest, largest = max(r[2] for r in results), max(r[3] for r in results)
+    levels = {"uint8": 255, "uint4": 15}.get(compression)
+    avg_error = 1.01 * widest / levels + 1e-7 if levels else 2 * largest * 2.0**-8
+    for rank, (got, exact, _, _) in enumerate(results):
+        errors = [float((a - b).abs().max()) for a, b in zip(got[H - 1], exact)]
+        assert max(errors) <= 0.7 * 1.9 * avg_error, (compression, rank, errors, avg_error)
+        assert max(errors) > 0, "the codec changed nothing: this test could not see a wrong average"

@@ -208,8 +208,7 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         from bagua.torch_api.block_allreduce import BlockWorkspace
 
         c = hierarchy.exchange_communicator(self._exchange_group, self.hierarchical)
-        return BlockWorkspace(fragment.numel, c.nranks(), fragment.device, self.hyper.compression,
-                              self.hyper.block_size, error_feedback=self.error_feedback)
+        return BlockWorkspace(fragment.numel, c.nranks(), self.hyper.compression, self.hyper.block_size)
 
     # -- checkpoints and teardown ------------------------------------------------------------------------------
 
