@@ -50,9 +50,11 @@ class Defaults:
     max_steps: int
 
 
-#: Chosen so that DDP on 2 hosts (one core each) reaches the target in a few minutes; see docs/benchmarks.md.
+#: gpt: the validation loss DDP on 2 hosts reaches at step 500 (2.42 at 450, 2.38 at 500, on 64 windows), well
+#: past the unigram plateau (3.25), evaluated every 50 steps (under 5 % of a run); resnet: test accuracy first
+#: reached at step 70, its curve saturates by step 140 (docs/benchmarks.md, "Targets").
 DEFAULTS: dict[str, Defaults] = {
-    "gpt": Defaults(target=3.05, eval_every=10, eval_samples=32, max_steps=1500),
+    "gpt": Defaults(target=2.40, eval_every=50, eval_samples=64, max_steps=1500),
     "resnet": Defaults(target=0.98, eval_every=10, eval_samples=0, max_steps=2000),
     "digits": Defaults(target=0.97, eval_every=10, eval_samples=0, max_steps=2000),
     "gpt_tiny": Defaults(target=4.5, eval_every=2, eval_samples=8, max_steps=60),
@@ -71,7 +73,7 @@ def reached(metric: float, target: float, higher_is_better: bool) -> bool:
 def _digits_stream(args: argparse.Namespace, rank: int, world: int) -> tuple[Callable, tuple]:
     from bagua.benchmarks.models import _digits_split, digits_epoch_batches
 
-    x_tr, y_tr, x_te, y_te = _digits_split(args.seed)
+    x_tr, y_tr, x_te, y_te = _digits_split(0)  # one held-out set for every seed: the target is calibrated on it
     cache: dict[int, list] = {}
 
     def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
