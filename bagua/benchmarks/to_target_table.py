@@ -192,9 +192,11 @@ def validate(rows: Sequence[dict]) -> list[dict]:
     out = []
     for r in _ok(rows, "validation") + conv:
         key = (r["model"], r["hosts"], r["system"])
-        step = [s for s in step_rows if (s["model"], s["hosts"], s["system"], s["bandwidth"]) == key + (r["bandwidth"],)]
-        ddp = [s for s in step_rows if (s["model"], s["hosts"], s["system"], s["bandwidth"]) ==
-               key[:2] + ("ddp", r["bandwidth"])]
+        def timed(system: str) -> list[dict]:
+            return [s for s in step_rows if (s["model"], s["hosts"], s["system"], s["bandwidth"]) ==
+                    key[:2] + (system, r["bandwidth"])]
+
+        step, ddp = timed(r["system"]), timed("ddp")
         steps = [c["steps_to_target"] for c in conv if (c["model"], c["hosts"], c["system"]) == key
                  and c.get("seed", 0) == r.get("seed", 0)]
         if not step or not steps or steps[0] is None or r.get("time_to_target_s") is None:
@@ -220,7 +222,8 @@ def recommend(table: Sequence[dict]) -> list[str]:
         if not math.isfinite(best["time_spread"].median):
             out.append(f"{where}: no system reached the target.")
         elif best["system"] == "ddp" or best.get("verdict") != "faster":
-            tie = "" if best["system"] == "ddp" else f" ({best['system']} is ahead on the median only, within the spread)"
+            tie = ("" if best["system"] == "ddp"
+                   else f" ({best['system']} is ahead on the median only, within the spread)")
             out.append(f"{where}: DDP; nothing is faster on every seed{tie}.")
         else:
             close = [c["system"] for c in cells if c is not best and compare(best["time_spread"], c["time_spread"])
