@@ -4,6 +4,7 @@ budget, and a latency axis where the kernel has sch_netem.
 ``network``: ``--network-hosts`` (2,4) x ``--network-models`` (mlp,gpt) x ``--network-rates`` (1gbit,100mbit) x
 every system of ``bagua-bench`` (DDP, DDP + fp16, DDP + PowerSGD, every registered algorithm), each run as
 :func:`bagua.benchmarks.network.run_job` runs it: one process per emulated host, tbf on both ends of every link.
+The hosts train on CPU over gloo, with CUDA hidden from them (:func:`_hosts_without_cuda`).
 
 ``latency``: DDP and the systems meant to tolerate latency (:data:`LATENCY_SYSTEMS`: decentralized, async,
 DiLoCo) at ``--latency-ms`` (0,1,5,20) of one-way delay between any two hosts: netem on each host's own end of its
@@ -225,6 +226,21 @@ def run_lanes(run, stage: str, lanes: list[Lane], emulate: bool, capacity: int, 
     return rows
 
 
+@contextlib.contextmanager
+def _hosts_without_cuda():
+    """Hide CUDA from the emulated hosts while a stage runs: they train on CPU over gloo, as bagua-bench does on a
+    machine without a GPU, and with CUDA visible ``bagua.init_process_group`` would choose NCCL (every host's rank
+    on the one GPU, with CPU tensors)."""
+    from bagua.torch_api import env
+
+    before = env.environ_snapshot().get("CUDA_VISIBLE_DEVICES")
+    env._export({"CUDA_VISIBLE_DEVICES": ""})  # read by the hosts' processes when they start
+    try:
+        yield
+    finally:
+        env._export({"CUDA_VISIBLE_DEVICES": before})
+
+
 def _report(run, stage: str, rows: list[dict], meta: dict) -> dict:
     from bagua.benchmarks import report
 
@@ -262,7 +278,8 @@ def stage_network(run, args: argparse.Namespace) -> dict:
         for rate in sorted(rates, key=lambda r: float("inf") if r is None else r)
         for model in _split(args.network_models)]
     end = time.monotonic() + run.left_s("network")
-    rows = run_lanes(run, "network", lanes, emulate, args.lane_cores, end, args.job_timeout)
+    with _hosts_without_cuda():
+        rows = run_lanes(run, "network", lanes, emulate, args.lane_cores, end, args.job_timeout)
     meta = {"emulated": emulate, "fallback_reason": None if emulate else why, "systems": systems,
             "lanes": [lane.name for lane in lanes]}
     return _report(run, "network", rows, meta)
@@ -286,6 +303,7 @@ def stage_latency(run, args: argparse.Namespace) -> dict:
         for system in order_systems(systems)], delay_ms=delay)
         for delay in (float(d) for d in _split(args.latency_ms))]
     end = time.monotonic() + run.left_s("latency")
-    rows = run_lanes(run, "latency", lanes, True, args.lane_cores, end, args.job_timeout)
+    with _hosts_without_cuda():
+        rows = run_lanes(run, "latency", lanes, True, args.lane_cores, end, args.job_timeout)
     return _report(run, "latency", rows, {"emulated": True, "systems": systems, "delays_ms": _split(args.latency_ms),
                                           "delay": "one way, netem on each host's own end of its link"})
