@@ -252,8 +252,31 @@ def test_arguments_are_checked_and_name_the_fix():
         ByteGradState(codec="uint8x")
     with pytest.raises(ValueError, match="must be True or False"):
         ByteGradState(error_feedback="yes")
-    if not dist.is_initialized():
-        with pytest.raises(ValueError, match="init_process_group"):
-            ByteGradState()
     with pytest.raises(ValueError, match="warmup_steps"):
         LocalState(warmup_steps=-1)
+
+
+def _worker_plain_torch(rank, world_size, store_path):
+    """A plain torch script: no Bagua initialization, and the state built before torch.distributed (as Lightning
+    builds DDPStrategy's arguments before its processes rendezvous)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from bagua.torch_api.contrib.ddp_hooks import ByteGradState, bytegrad_hook
+
+    state = ByteGradState()
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
+    ddp = DDP(_model(rank))
+    ddp.register_comm_hook(state, bytegrad_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    history = _train(ddp, opt, rank, 3)
+    state.close()
+    return history, state.ranks
+
+
+def test_plain_torch_without_bagua_and_a_state_built_before_init(tmp_path):
+    (h0, ranks), (h1, _) = run_workers(_worker_plain_torch, 2, str(tmp_path / "store"), init_bagua=False,
+                                       timeout=120)
+    assert ranks == [0, 1]
+    for x, y in zip(h0[-1], h1[-1]):
+        assert torch.equal(x, y)
+    assert any(not torch.equal(x, y) for x, y in zip(h0[0], h0[-1]))

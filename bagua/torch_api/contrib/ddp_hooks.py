@@ -51,6 +51,7 @@ from bagua.torch_api.compressed_allreduce import SEGMENT, Workspace, low_precisi
 from bagua.torch_api.compression import HEADER_BYTES
 from bagua.torch_api.contrib._own_group import group_ranks, own_communicator
 from bagua.torch_api.data_parallel._comm_plane import CommJob, CommWorker
+from bagua.torch_api.process_group import BaguaCommunicator
 
 __all__ = ["CODECS", "ByteGradState", "bytegrad_hook", "LocalState", "local_hook"]
 
@@ -64,7 +65,8 @@ class ByteGradState:
     """The state of :func:`bytegrad_hook`: its process group, thread, buffers and error-feedback residuals.
 
     Building it is collective (it creates a process group of its own): every rank of the job builds it, in the same
-    order relative to other groups.
+    order relative to other groups. Built before ``torch.distributed`` is initialized (as Lightning builds
+    ``DDPStrategy(ddp_comm_state=...)``), it creates its group when DDP hands it the first bucket.
 
     Args:
         process_group: the ranks to average over: ``None`` (the default group, as DDP's), a torch
@@ -100,8 +102,12 @@ class ByteGradState:
         self.process_group = process_group
         self.error_feedback = error_feedback
         self.codec = codec
-        self.ranks = group_ranks(process_group, "ByteGradState")
-        self._communicator = own_communicator(self.ranks)
+        self.ranks: Optional[list[int]] = None
+        self._communicator: Optional[BaguaCommunicator] = None
+        if process_group is not None or dist.is_initialized():
+            self._bind()
+        # else: built before torch.distributed (Lightning builds a strategy's arguments before its processes
+        # rendezvous): the group is created at the first bucket, which every rank's DDP hands over first
         self._worker: Optional[CommWorker] = None  # started at the first bucket, when its device is known
         self._workspaces: dict[int, Workspace] = {}  # bucket index -> buffers (and residuals)
         self._layouts: dict[int, tuple[int, ...]] = {}  # bucket index -> its parameters (error feedback only)
@@ -110,8 +116,15 @@ class ByteGradState:
         self.bytes_sent = 0
         self.nonfinite_buckets = 0
 
+    def _bind(self) -> None:
+        """Create the state's own process group (collective)."""
+        self.ranks = group_ranks(self.process_group, "ByteGradState")
+        self._communicator = own_communicator(self.ranks)
+
     def submit(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """Queue ``bucket`` on the communication thread; return the future of its averaged buffer."""
+        if self._communicator is None:
+            self._bind()
         flat = bucket.buffer()
         index = bucket.index()
         # which parameters the bucket holds matters only to residuals, which are per element
@@ -142,7 +155,7 @@ class ByteGradState:
 
     def _workspace(self, index: int, flat: torch.Tensor, layout: tuple[int, ...]) -> Workspace:
         ws = self._workspaces.get(index)
-        n = self._communicator.nranks()
+        n = self._communicator.nranks()  # type: ignore[union-attr]
         if ws is None or ws.numel != flat.numel() or self._layouts.get(index) != layout or (
                 ws.send[0].device != flat.device):
             if ws is not None and self.error_feedback:
