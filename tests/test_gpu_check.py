@@ -70,7 +70,8 @@ def test_stages_report_what_they_measured(dry_run):
 
 def test_pytest_summary_reads_counts_and_failures():
     out = "\n".join(["FAILED tests/a.py::test_x - AssertionError: boom",
-                     "SKIPPED [2] tests/b.py:3: needs a CUDA device", "XFAIL tests/c.py::test_y - gloo cannot", "1 failed, 5 passed, 2 skipped, 1 xfailed in 3.10s"])
+                     "SKIPPED [2] tests/b.py:3: needs a CUDA device", "XFAIL tests/c.py::test_y - gloo cannot",
+                     "1 failed, 5 passed, 2 skipped, 1 xfailed in 3.10s"])
     summary = gpu_check.pytest_summary(1, out)
     assert summary["counts"] == {"failed": 1, "passed": 5, "skipped": 2, "xfailed": 1}
     assert summary["status"] == "failed" and len(summary["failed"]) == 1 and len(summary["xfailed"]) == 1

@@ -4,15 +4,15 @@ Made for a lent GPU machine (one H100 or H200, 16 cores, torch with CUDA, no pac
 stages (``--stage``, run in this order) write what they find to ``OUT_DIR/gpu_check.json`` and
 ``OUT_DIR/gpu_check.log``:
 
-1. ``install`` (:mod:`~bagua.benchmarks.gpu_check_install`): the wheels the machine lacks, from ``--wheels DIR`` (``--fetch DIR`` downloads
-   them where PyPI is reachable), then ``pip install --no-deps --no-build-isolation -e .`` (no index: no build
-   isolation); it reports the versions found, and whether ``ip`` and ``tc`` are there for the network stages.
+1. ``install`` (:mod:`~bagua.benchmarks.gpu_check_install`): the wheels the machine lacks, from ``--wheels DIR``
+   (``--fetch DIR`` downloads them where PyPI is reachable), then ``pip install --no-deps --no-build-isolation -e .``
+   (no index: no build isolation); it reports the versions found, and whether ``ip`` and ``tc`` are there.
 2. ``tests``: the gpu-marked tests first, with CUDA; then the rest of the suite with CUDA hidden, because the test
    harness lets ``bagua.init_process_group`` pick NCCL whenever CUDA is visible, and its two-rank CPU jobs would
    then put two ranks on one GPU, which NCCL refuses.
 3. ``codec``: MinMaxUInt8 encode and decode of ``--codec-elements`` (64 Mi) float32 in GB/s against the card's
    device-to-device copy (bytes read plus written); the goal is 40 % each. Then torch's fused Adam against
-   ``fuse_optimizer`` (``benchmarks/codec.py`` and ``benchmarks/fused_optimizer.py`` do the timing).
+   ``fuse_optimizer`` (with the timing functions of ``benchmarks/codec.py`` and ``benchmarks/fused_optimizer.py``).
 4. ``network`` and ``latency``: :mod:`bagua.benchmarks.gpu_check_network`.
 
 Without CUDA (or with ``--dry-run``) every stage still runs and each part that needs CUDA says so in one
