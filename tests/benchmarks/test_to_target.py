@@ -1,6 +1,7 @@
-"""Time to accuracy (``bagua-bench --to-target``) at tiny sizes on loopback: with an easy target every system
-reaches it and the report has steps, time and metric; with an impossible one DDP stops at ``--max-steps`` and
-every other system at 3x DDP's steps, all reported as "not reached"."""
+"""Time to accuracy (``bagua-bench --to-target``) at tiny sizes on loopback: with an easy target a synchronous
+system's steps are measured once per seed and multiplied by its timed step, a timing-dependent one is run to the
+target for real, and the report has steps, time, metric and the combination; with an impossible one DDP stops at
+``--max-steps`` and every other system at 3x DDP's steps, all reported as "not reached"."""
 
 from __future__ import annotations
 
@@ -24,47 +25,64 @@ def _suite(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, list[dic
     return done, rows, csv_rows
 
 
-def test_easy_target_is_reached_by_each_kind_of_system(tmp_path):
-    # a baseline, compressed gradients, asynchronous weight averaging and QAdam (every system trains gpt_tiny in
-    # test_workloads.py; the to-target loop itself does not depend on the system)
-    systems = ["ddp", "bytegrad", "async", "qadam"]
-    done, rows, csv_rows = _suite(tmp_path, "--models", "gpt_tiny", "--systems", ",".join(systems),
-                                  "--target", "gpt_tiny=5.3")
+@pytest.mark.skip(reason="new multi-process test, committed once it has passed 20 runs in a loop")
+def test_easy_target_convergence_once_step_time_per_network_and_seeds(tmp_path):
+    # DDP (synchronous: steps to target once per seed on unshaped links, then a timed run) and async averaging
+    # (timing-dependent: trained to the target for real), 2 seeds each
+    done, rows, csv_rows = _suite(tmp_path, "--models", "gpt_tiny", "--systems", "ddp,async", "--seeds", "2",
+                                  "--target", "gpt_tiny=5.3", "--warmup", "1", "--steps", "3")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(r["system"] for r in rows) == sorted(systems)
-    assert rows[0]["system"] == "ddp"  # DDP runs first: it sets the others' budgets
+    runs = [(r["system"], r["phase"], r.get("seed")) for r in rows]
+    assert runs == [("ddp", "convergence", 0), ("ddp", "convergence", 1), ("async", "real", 0), ("async", "real", 1),
+                    ("ddp", "step_time", 0)]  # DDP first: it sets the others' budgets
     for r in rows:
         assert r["status"] == "ok", r.get("error")
+    ddp = {r["seed"]: r for r in rows if r["phase"] == "convergence"}
+    for r in rows:
+        if r["phase"] == "step_time":
+            assert "target_status" not in r and r["mean_step_s"] > 0 and r["timed_steps"] == 3
+            continue
         assert r["target_status"] == "reached", r
         assert r["metric"] == "val_loss" and r["target"] == 5.3 and r["final_metric"] <= 5.3
         assert 0 < r["steps_to_target"] <= r["step_budget"] and r["steps_to_target"] % r["eval_every"] == 0
         assert 0 < r["time_to_target_s"] <= r["wall_to_target_s"]
         assert r["eval_s"] > 0 and r["curve"][0][0] == 0 and r["curve"][-1][0] == r["steps_to_target"]
         assert r["curve"][-1][3] == r["final_metric"]
-    ddp = rows[0]
-    for r in rows[1:]:
-        assert r["step_budget"] == to_target.BUDGET_FACTOR * ddp["steps_to_target"]
+        if r["system"] == "async":
+            assert r["step_budget"] == to_target.BUDGET_FACTOR * ddp[r["seed"]]["steps_to_target"]
+    # the two seeds train different models (different initialization and batches)
+    assert ddp[0]["curve"][0][3] != ddp[1]["curve"][0][3]
+    # the combination: DDP's time = its steps (per seed) x its mean step; async's from its real runs
+    table = {c["system"]: c for c in json.loads((tmp_path / "tt.json").read_text())["time_to_target"]["table"]}
+    step = next(r["mean_step_s"] for r in rows if r["phase"] == "step_time")
+    assert table["ddp"]["method"] == "steps x step" and table["async"]["method"] == "real run"
+    assert table["ddp"]["times_s"] == pytest.approx([ddp[s]["steps_to_target"] * step for s in (0, 1)])
+    assert table["async"]["times_s"] == [r["time_to_target_s"] for r in rows if r["system"] == "async"]
+    assert table["ddp"]["time_spread"]["n"] == 2 and table["ddp"]["verdict"] == "reference"
     assert {"target_status", "steps_to_target", "time_to_target_s", "final_metric"} <= set(csv_rows[0])
-    assert all(c["target_status"] == "reached" for c in csv_rows)
     assert "reached" in done.stdout and "val_loss <= 5.3" in done.stdout
-    assert (tmp_path / "tt-to-target.png").read_bytes()[:4] == b"\x89PNG"
+    assert "DDP comm / compute" in done.stdout and "steps x step" in done.stdout
+    for png in ("tt-to-target.png", "tt-vs-bandwidth.png"):
+        assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
+    assert "| ddp |" in (tmp_path / "tt-table.md").read_text()
 
 
-def test_impossible_target_is_not_reached_after_three_times_ddps_steps(tmp_path):
-    done, rows, csv_rows = _suite(tmp_path, "--models", "resnet_tiny", "--systems", "ddp,gradient_allreduce,bytegrad",
-                                  "--target", "resnet_tiny=1.01", "--max-steps", "4")
+@pytest.mark.skip(reason="new multi-process test, committed once it has passed 20 runs in a loop")
+def test_impossible_target_is_not_reached(tmp_path):
+    # DDP stops at --max-steps; the others' budget of 3x DDP's steps when DDP missed is test_step_budget_and_summary's
+    done, rows, csv_rows = _suite(tmp_path, "--models", "resnet_tiny", "--systems", "ddp", "--seeds", "1",
+                                  "--target", "resnet_tiny=1.01", "--max-steps", "4", "--epochs", "1",
+                                  "--warmup", "1")
     assert done.returncode == 0, done.stderr[-3000:]
-    by_system = {r["system"]: r for r in rows}
-    assert by_system["ddp"]["steps_run"] == 4 and by_system["ddp"]["step_budget"] == 4
-    for system in ("gradient_allreduce", "bytegrad"):
-        assert by_system[system]["steps_run"] == 12 and by_system[system]["step_budget"] == 12
-    for r in rows:
-        assert r["status"] == "ok", r.get("error")
-        assert r["target_status"] == "not reached"
-        assert r["steps_to_target"] is None and r["time_to_target_s"] is None
-        assert r["metric"] == "accuracy" and 0.0 <= r["final_metric"] <= 1.0
-    assert [c["target_status"] for c in csv_rows] == ["not reached"] * 3
-    assert done.stdout.count("not reached") >= 3
+    assert [r["phase"] for r in rows] == ["convergence", "step_time"]
+    r = rows[0]
+    assert r["status"] == "ok", r.get("error")
+    assert r["steps_run"] == 4 and r["step_budget"] == 4 and r["target_status"] == "not reached"
+    assert r["steps_to_target"] is None and r["time_to_target_s"] is None
+    assert r["metric"] == "accuracy" and 0.0 <= r["final_metric"] <= 1.0
+    assert [c["target_status"] for c in csv_rows if c["target_status"]] == ["not reached"]
+    assert "not reached" in done.stdout and "no system reached the target" in done.stdout
+    assert not (tmp_path / "tt-vs-bandwidth.png").exists()  # nothing to draw
 
 
 def test_step_budget_and_summary():
@@ -103,5 +121,39 @@ def test_suite_flags_are_checked():
         parse_args(["--to-target", "--models", "mlp"])
     with pytest.raises(ValueError, match="MODEL=VALUE"):
         parse_args(["--to-target", "--models", "gpt", "--target", "gpt:2.5"])
-    args = parse_args(["--to-target", "--models", "gpt,resnet", "--target", "gpt=2.4"])
-    assert args.targets == {"gpt": 2.4}
+    with pytest.raises(ValueError, match="--seeds"):
+        parse_args(["--to-target", "--models", "gpt", "--repeats", "3"])
+    with pytest.raises(ValueError, match="SYSTEM@RATE"):
+        parse_args(["--to-target", "--models", "gpt", "--validate", "ddp"])
+    with pytest.raises(ValueError, match="add --to-target"):
+        parse_args(["--models", "gpt", "--validate", "ddp@1gbit"])
+    args = parse_args(["--to-target", "--models", "gpt,resnet", "--target", "gpt=2.4", "--validate", "ddp@1gbit",
+                       "--gpu-step", "gpt=0.01", "--bandwidths", "unshaped,10mbit"])
+    assert args.targets == {"gpt": 2.4} and args.seeds == 3 and args.validate == [("ddp", "1gbit")]
+    assert args.gpu_step == {"gpt": 0.01} and args.bandwidths == ["unshaped", "10mbit"]
+
+
+def test_plan_measures_convergence_once_and_step_time_per_network():
+    from bagua.benchmarks.network import _plan, parse_args
+
+    args = parse_args(["--to-target", "--models", "gpt", "--hosts", "2", "--bandwidths", "unshaped,1gbit,10mbit",
+                       "--seeds", "2", "--validate", "ddp_fp16@1gbit", "--steps", "5"])
+    jobs = _plan(args, ["async", "ddp_fp16", "ddp_post_local_sgd:period=4", "ddp"], [None, 10**9, 10**7])
+    got = [(j.phase, j.system, j.bandwidth, j.seed) for j in jobs]
+    # first every to-target run on unshaped links, DDP's seeds first (they set the others' budgets)
+    assert got[:2] == [("convergence", "ddp", "unshaped", 0), ("convergence", "ddp", "unshaped", 1)]
+    assert set(got[2:8]) == {(phase, s, "unshaped", k) for k in (0, 1) for phase, s in (
+        ("real", "async"), ("convergence", "ddp_fp16"), ("convergence", "ddp_post_local_sgd:period=4"))}
+    steps = [g for g in got if g[0] == "step_time"]
+    assert [(s, b) for _, s, b, _ in steps] == [(s, b) for b in ("unshaped", "1gbit", "10mbit")
+                                               for s in ("ddp", "ddp_fp16", "ddp_post_local_sgd:period=4")]
+    assert got[8:17] == steps  # then the timed runs, then the real runs at the shaped rates
+    assert [g for g in got if g[0] == "real"][2:] == [("real", "async", b, k) for b in ("1gbit", "10mbit")
+                                                      for k in (0, 1)]
+    assert got[-1] == ("validation", "ddp_fp16", "1gbit", 0)
+    # step-time runs cover whole local-update rounds; to-target runs carry the target, timed runs do not
+    by = {(j.phase, j.system, j.bandwidth): j for j in jobs}
+    assert by[("step_time", "ddp_post_local_sgd:period=4", "1gbit")].steps == 8
+    assert by[("step_time", "ddp", "1gbit")].steps == 5 and by[("step_time", "ddp", "1gbit")].target is None
+    assert by[("convergence", "ddp", "unshaped")].target == to_target.DEFAULTS["gpt"].target
+    assert [j.workload_args()[-2:] for j in jobs if j.phase == "convergence"][1] == ["--seed", "1"]
