@@ -152,8 +152,36 @@ def _run_resume(rank, save_at=6, steps=9):
     return straight[save_at:], resumed
 
 
+def _run_compressed(rank, steps=6):
+    """uint8 pseudo-gradients (block codec, error feedback): the weights of DiLoCoAlgorithm, and a resume."""
+    import bagua.torch_api  # noqa: F401  (installs with_bagua)
+    from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+    from bagua.torch_api.contrib import DiLoCoOptimizer
+
+    ddp = _ddp(rank)
+    opt = DiLoCoOptimizer(_adamw(ddp.parameters()), sync_every=3, compression="uint8", block_size=64)
+    got = _train(ddp, opt, rank, 1, steps)
+    model = make_model(rank)
+    inner = _adamw(model.parameters())
+    model = model.with_bagua([inner], DiLoCoAlgorithm(sync_every=3, compression="uint8", block_size=64,
+                                                      hierarchical=False))
+    expected = []
+    for step in range(1, steps + 1):
+        x, y = batch(rank, step)
+        inner.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        expected.append(params_of(model))
+    model.bagua_ddp.close()
+    return got, expected
+
+
 def _worker_all(rank, world_size):
+    import importlib.util
+
     out = {f"{name}/hook": _run_config(rank, name) for name in CONFIGS}
+    if importlib.util.find_spec("bagua.torch_api.block_allreduce") is not None:
+        out["uint8"] = _run_compressed(rank)
     out["diloco/no_sync"] = _run_config(rank, "diloco", no_sync=True)
     out["warmup"] = _run_warmup(rank)
     out["scaler"] = _run_scaler(rank)
@@ -205,6 +233,16 @@ def test_resume_is_bit_identical(job):
     for rank, result in enumerate(job):
         straight, resumed = result["resume"]
         _assert_histories(resumed, straight, rank, "resume")
+
+
+def test_compressed_matches_diloco_algorithm(job):
+    if "uint8" not in job[0]:
+        pytest.skip("bagua.torch_api.block_allreduce is not in this version")
+    for rank, result in enumerate(job):
+        got, expected = result["uint8"]
+        _assert_histories(got, expected, rank, "uint8")
+    for a, b in zip(job[0]["uint8"][0][2], job[1]["uint8"][0][2]):
+        assert torch.equal(a, b)  # the same weights on both ranks after the synchronization at step 3
 
 
 def test_bad_arguments_name_the_fix():

@@ -294,8 +294,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def _make_workspace(self, fragment: Fragment) -> object:
         from bagua.torch_api.block_allreduce import BlockWorkspace
 
-        return BlockWorkspace(fragment.numel, self._communicator.nranks(), fragment.device, self.hyper.compression,
-                              self.hyper.block_size, error_feedback=self.error_feedback)
+        return BlockWorkspace(fragment.numel, self._communicator.nranks(), self.hyper.compression,
+                              self.hyper.block_size)
 
     # -- checkpoints and teardown ------------------------------------------------------------------------------
 
