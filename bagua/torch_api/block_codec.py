@@ -8,19 +8,20 @@ float32, with every division a true (correctly rounded) division::
     encode: q = round_half_even((x - min) * s)          (0 <= q <= L without a clamp: x - min <= r)
     decode: x' = min + q * (r / L)
 
-so ``q = 0`` decodes to ``min`` exactly, and a block whose ``s`` is 0 (a constant block, or a range below about
-``1e-36``) decodes to ``min`` everywhere. Blocks with ``max(|min|, |max|) >= 2**126``, where ``r`` or ``min + q *
-r / L`` could overflow, use the same formulas on the halved values (exact scalings there) and clamp the result:
-``x' = clamp(2 * (min/2 + q * (r/2 / L)), min, max)``; so every finite block decodes to finite values. A block
-holding a NaN or an Inf gets codes 0 and decodes to NaN everywhere, which callers can detect.
+so ``q = 0`` decodes to ``min`` exactly, and a block whose ``s`` is 0 (a constant block, or a range below
+``L / FLT_MAX``: 4e-38 for uint4, 7e-37 for uint8) decodes to ``min`` everywhere. Blocks with ``max(|min|,
+|max|) >= 2**126``, where ``r`` or ``min + q * r / L`` could overflow, use the same formulas on the halved values
+(exact scalings there) and clamp the result: ``x' = clamp(2 * (min/2 + q * (r/2 / L)), min, max)``; so every
+finite block decodes to finite values. A block holding a NaN or an Inf gets codes 0 and decodes to NaN
+everywhere, which callers can detect.
 
 Bound (:func:`error_bound`), per element, ``M = max(|min|, |max|)`` of its block, ``u = 2**-24``::
 
     |x - x'| <= r / (2 L) + 32 u M      (half a step, plus the float32 rounding of the encode and decode)
     |x - x'| <= r                       (blocks whose s is 0)
 
-The rounding term is about ``21 u M`` in the worst case (``r <= 2 M``; encode 4 roundings, decode 3, and a
-subnormal ``r / L`` when ``r`` is tiny); ``32 u M = 2**-19 M`` states it with margin. ``bf16``: the wire is the
+The rounding term is at most about ``22 u M`` (``r <= 2 M``; encode 4 roundings, decode 3, and a subnormal
+``r / L`` when ``r`` is tiny); ``32 u M = 2**-19 M`` states it with margin. ``bf16``: the wire is the
 bfloat16 of ``x`` (round to nearest even, torch's cast), ``|x - x'| <= 2**-8 |x| + 2**-134``, and ``|x|`` at or
 above ``(2 - 2**-8) * 2**127`` becomes Inf.
 
