@@ -1,0 +1,66 @@
+"""Every snippet of docs/integrations.md runs as shown, at 2 CPU processes, with the command in its first line
+(``# Run: torchrun ...`` or ``# Run: python ...``; ``torchrun`` is this interpreter's ``-m torch.distributed.run``).
+
+Each script's own output is checked for its last line on every rank; what the snippets compute is tested against
+references in tests/contrib/test_ddp_hooks.py, test_diloco_optimizer.py and this directory's other files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PAGE = os.path.join(ROOT, "docs", "integrations.md")
+
+
+def _snippets() -> dict[str, tuple[list[str], str]]:
+    """``{script name: (command, source)}`` of every python block of the page."""
+    with open(PAGE) as f:
+        blocks = re.findall(r"```(\w*)\n(.*?)```", f.read(), flags=re.S)
+    found = {}
+    for language, source in blocks:
+        assert language == "python", f"docs/integrations.md: a {language or 'plain'} block no test runs"
+        m = re.match(r"# Run: (.+)\n", source)
+        assert m, f"docs/integrations.md: a snippet without its '# Run:' line:\n{source[:200]}"
+        command = shlex.split(m.group(1))
+        found[command[-1]] = (command, source)
+    return found
+
+
+SNIPPETS = _snippets()
+NEEDS = {"hf_trainer.py": ["transformers", "accelerate"], "accelerate_bytegrad.py": ["accelerate"],
+         "lightning_bytegrad.py": ["lightning"]}
+#: what every rank prints last
+EXPECT = {
+    "ddp_bytegrad.py": r"rank [01]: done",
+    "ddp_diloco.py": r"rank [01]: 3 synchronizations",
+    "hf_trainer.py": r"training loss \d",
+    "accelerate_bytegrad.py": r"done: 2 processes",
+    "lightning_bytegrad.py": r"rank [01]: done with BaguaStrategy",
+}
+
+
+def test_every_snippet_is_listed_here():
+    assert set(SNIPPETS) == set(EXPECT)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECT))
+def test_snippet_runs_as_shown(tmp_path, name):
+    for module in NEEDS.get(name, []):
+        pytest.importorskip(module)
+    command, source = SNIPPETS[name]
+    (tmp_path / name).write_text(source)
+    launcher = {"torchrun": [sys.executable, "-m", "torch.distributed.run"], "python": [sys.executable]}
+    argv = launcher[command[0]] + command[1:]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, HF_HUB_OFFLINE="1",
+               CUDA_VISIBLE_DEVICES="")  # the CPU paths
+    proc = subprocess.run(argv, env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    assert len(re.findall(EXPECT[name], out)) >= (1 if name == "accelerate_bytegrad.py" else 2), out[-3000:]
