@@ -38,7 +38,9 @@ scalar divisor), so every rank and device writes the same bytes for the same inp
 Speed: on CPU the functions stream the blocks through a scratch piece of :data:`PIECE` elements (1 MiB of
 float32, about one core's L2): the encoder reads each piece once from memory for its min/max and quantizes it
 while it is in cache; ``round`` and the float -> integer cast are one addition of ``2**23`` (the float32 bits
-of ``2**23 + q`` end in the byte ``q``). Other devices run whole-tensor operations.
+of ``2**23 + q`` end in the byte ``q``); the uint4 decoder unpacks with one byte mask (:func:`_dequantize_pairs`).
+Other devices run whole-tensor operations. One thread, against MinMaxUInt8 (``compression.py``): see
+``benchmarks/codec.py``.
 
 Example:
     >>> x = torch.randn(10_000)
@@ -58,8 +60,9 @@ import torch
 __all__ = ["CODECS", "DEFAULT_BLOCK", "PIECE", "wire_numel", "encode", "decode", "error_bound"]
 
 CODECS = ("bf16", "uint8", "uint4")
-#: Elements per block. The uint4 headers cost 8 bytes per block, 0.39 % of the codes at 4096 (2048 would be
-#: 0.78 %, 1024 is above the 1 % goal); larger blocks are no faster (benchmarks/codec.py) and have wider ranges.
+#: Elements per block. The uint4 headers cost 8 bytes per block, 0.39 % of the codes at 4096 (2048: 0.78 %; 1024
+#: is above the 1 % goal). Speed is flat from 1024 to 65536 (within a few %, ``benchmarks/codec.py --block-sizes``),
+#: and larger blocks have wider ranges, so coarser steps: 4096 is the smallest block with headers well under 1 %.
 DEFAULT_BLOCK = 4096
 #: Elements per cache piece on CPU.
 PIECE = 1 << 18
@@ -111,11 +114,9 @@ def _layout(numel: int, codec: str, block_size: int) -> list[tuple[int, int, int
     return runs
 
 
-# L is a tensor, not a Python scalar, in both: torch divides by a scalar as a multiplication by its reciprocal
-
-
 def _scale(mn: torch.Tensor, mx: torch.Tensor, levels: int) -> torch.Tensor:
-    """``s = L / (max - min)``, 0 where not finite."""
+    """``s = L / (max - min)``, 0 where not finite (``L`` a tensor, here and in :func:`_step`: torch divides by a
+    scalar as a multiplication by its reciprocal)."""
     r = mx - mn
     return torch.div(torch.full_like(r, levels), r).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
@@ -130,7 +131,7 @@ class _Scratch:
     """The buffers of ``k`` blocks of ``m`` elements and their views, made once per call (on CPU a view costs
     about as much as a small operation, so the loops take them ready-made)."""
 
-    __slots__ = ("k", "levels", "w", "bits", "lo", "hi", "lo_head", "lo_bits", "nibbles", "nibble_words", "nibble_rows")
+    __slots__ = ("k", "levels", "w", "bits", "lo", "hi", "lo_head", "lo_bits", "nibbles", "nibble_rows")
 
     def __init__(self, k: int, m: int, levels: int, device: torch.device, floats: bool = True) -> None:
         self.k, self.levels = k, levels
@@ -142,7 +143,6 @@ class _Scratch:
             self.lo_head, self.lo_bits = self.lo[:, : m - h], self.lo.view(torch.int32)
         self.nibbles = torch.empty(k, 2, h, dtype=torch.uint8, device=device) if levels == 15 else None
         if self.nibbles is not None:
-            self.nibble_words = self.nibbles.view(torch.int32) if h % 4 == 0 else None
             self.nibble_rows = self.nibbles.view(k, 2 * h)[:, :m]  # low nibbles then high: the block in order
 
 
@@ -166,34 +166,42 @@ def _quantize(x: torch.Tensor, mn: torch.Tensor, s: torch.Tensor, codes: torch.T
     codes.copy_(b.lo_bits)
 
 
-_SHIFTS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
-def _shifts(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    key = (device, dtype)
-    if key not in _SHIFTS:
-        _SHIFTS[key] = torch.tensor([0, 4], dtype=dtype, device=device).view(1, 2, 1)
-    return _SHIFTS[key]
+def _constant(values: tuple, dtype: torch.dtype, device: torch.device, shape: tuple) -> torch.Tensor:
+    """A small constant tensor, made once per device."""
+    key = (values, dtype, device, shape)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, dtype=dtype, device=device).view(shape)
+    return _CONSTANTS[key]
 
 
 def _dequantize(codes: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, w: torch.Tensor, b: _Scratch) -> None:
-    """Write ``min + q * step`` of the ``(k, bytes)`` codes into the ``(k, m)`` float32 ``w``."""
+    """Write ``min + q * step`` of the ``(k, bytes)`` codes into the ``(k, m)`` float32 ``w`` (the formula as
+    written; :func:`_dequantize_pairs` is the faster uint4 path for blocks of even length)."""
     if b.levels == 255:
         w.copy_(codes)
-    else:
-        # both nibbles in one broadcast shift, (k, 1, h) >> (1, 2, 1), on 32-bit words where aligned (x86 has
-        # no 8-bit shift): 4 bytes at a time, the mask drops the bits shifted in from the next byte
-        words = b.nibble_words is not None and codes.storage_offset() % 4 == 0
-        if words:
-            shifted = torch.bitwise_right_shift(codes.view(torch.int32).unsqueeze(1),
-                                                _shifts(codes.device, torch.int32), out=b.nibble_words)
-            shifted.bitwise_and_(0x0F0F0F0F)
-        else:
-            shifted = torch.bitwise_right_shift(codes.unsqueeze(1), _shifts(codes.device, torch.uint8),
-                                                out=b.nibbles)
-            shifted.bitwise_and_(15)
-        w.copy_(b.nibble_rows)
+    else:  # both nibbles in one broadcast shift, (k, 1, h) >> (1, 2, 1): rows of [low nibbles, high nibbles]
+        shifts = _constant((0, 4), torch.uint8, codes.device, (1, 2, 1))
+        torch.bitwise_right_shift(codes.unsqueeze(1), shifts, out=b.nibbles)
+        w.copy_(b.nibbles.bitwise_and_(15).view(w.shape[0], -1)[:, : w.shape[1]])
     w.mul_(step).add_(mn)
+
+
+def _dequantize_pairs(codes: torch.Tensor, mn: torch.Tensor, steps: torch.Tensor, w: torch.Tensor,
+                      b: _Scratch) -> None:
+    """:func:`_dequantize` for uint4 blocks of even length, with ``steps = [step, step / 16]`` (``(k, 2, 1)``).
+
+    One broadcast mask gives ``q_lo`` and ``16 q_hi`` (x86 has no 8-bit shift: a shift costs as much as the rest
+    of the unpacking); ``16 q_hi * (step / 16)`` is the real number ``q_hi * step``, so it rounds to the same
+    float32 wherever ``step / 16`` is exact: everywhere but for ``0 < step < 2**-122``, blocks that
+    :func:`decode` redoes with :func:`_dequantize`.
+    """
+    torch.bitwise_and(codes.unsqueeze(1), _constant((0x0F, 0xF0), torch.uint8, codes.device, (1, 2, 1)), out=b.nibbles)
+    w.copy_(b.nibble_rows)
+    w.view(w.shape[0], 2, -1).mul_(steps)
+    w.add_(mn)
 
 
 def _check_x(x: torch.Tensor) -> torch.Tensor:
@@ -216,18 +224,10 @@ def _header(wire: torch.Tensor, blocks: int) -> torch.Tensor:
     return raw.view(torch.float32).view(blocks, 2)
 
 
-def _block(numel: int, codec: str, block_size: int, i: int) -> tuple[int, int, int, int]:
-    """Element range and code byte range of block ``i``."""
-    blocks = -(-numel // block_size)
-    a, b = i * block_size, min((i + 1) * block_size, numel)
-    c = HEADER_BYTES * blocks + i * _code_bytes(block_size, codec)
-    return a, b, c, c + _code_bytes(b - a, codec)
-
-
-def _huge_blocks(hdr: torch.Tensor) -> list[int]:
-    """Finite blocks with ``max(|min|, |max|) >= 2**126``."""
+def _huge(hdr: torch.Tensor) -> torch.Tensor:
+    """Whether each block is finite with ``max(|min|, |max|) >= 2**126``."""
     m = hdr.abs().amax(dim=1)
-    return ((m >= _HUGE) & torch.isfinite(m)).nonzero().view(-1).tolist()
+    return (m >= _HUGE) & torch.isfinite(m)
 
 
 def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
@@ -274,27 +274,22 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
             torch.amax(xa, dim=1, keepdim=True, out=mx)
             _quantize(xa, mn, _scale(mn, mx, levels), ca, b)
     out[: HEADER_BYTES * blocks].copy_(hdr.view(-1).view(torch.uint8))
-    if blocks and not bool(torch.isfinite(hdr).all()):
-        _zero_nonfinite(out, hdr, n, codec, block_size)
-    for i in _huge_blocks(hdr):
-        a, b, c, d = _block(n, codec, block_size, i)
-        half = x[a:b].view(1, -1) * 0.5
-        mn, mx = hdr[i : i + 1, 0:1] * 0.5, hdr[i : i + 1, 1:2] * 0.5
-        _quantize(half, mn, _scale(mn, mx, levels), out[c:d].view(1, -1), _Scratch(1, b - a, levels, x.device))
+    bad = ~torch.isfinite(hdr).all(dim=1)
+    if bool(bad.any()):  # codes 0 for the blocks holding a NaN or Inf (they decode to NaN whatever their codes)
+        for first, count, m, _, c in _layout(n, codec, block_size):
+            out[c : c + count * _code_bytes(m, codec)].view(count, -1)[bad[first : first + count]] = 0
+    for i in _huge(hdr).nonzero().view(-1).tolist():
+        a, b = i * block_size, min((i + 1) * block_size, n)
+        c = HEADER_BYTES * blocks + i * _code_bytes(block_size, codec)
+        half, mn, mx = x[a:b].view(1, -1) * 0.5, hdr[i : i + 1, 0:1] * 0.5, hdr[i : i + 1, 1:2] * 0.5
+        codes = out[c : c + _code_bytes(b - a, codec)].view(1, -1)
+        _quantize(half, mn, _scale(mn, mx, levels), codes, _Scratch(1, b - a, levels, x.device))
     return out
 
 
 def _split(k: int, *tensors: torch.Tensor):
     """The pieces of ``k`` rows of every tensor, side by side."""
     return zip(*(t.split(k) for t in tensors))
-
-
-def _zero_nonfinite(out: torch.Tensor, hdr: torch.Tensor, n: int, codec: str, block_size: int) -> None:
-    """Codes 0 for the blocks holding a NaN or Inf (whatever their codes were, they decode to NaN)."""
-    bad = ~torch.isfinite(hdr).all(dim=1)
-    for first, count, m, _, c in _layout(n, codec, block_size):
-        codes = out[c : c + count * _code_bytes(m, codec)].view(count, -1)
-        codes[bad[first : first + count]] = 0
 
 
 def decode(wire: torch.Tensor, numel: int, codec: str, block_size: int = DEFAULT_BLOCK,
@@ -340,8 +335,15 @@ def decode(wire: torch.Tensor, numel: int, codec: str, block_size: int = DEFAULT
     blocks = -(-numel // block_size)
     hdr = _header(wire, blocks)
     mn, mx = hdr[:, 0:1], hdr[:, 1:2]
-    steps = _step(mn, mx, levels)
-    huge = _huge_blocks(hdr) if blocks else []
+    pairs = levels == 15
+    if pairs:  # [r / L, r / (16 L)] per block, for _dequantize_pairs: the second is step / 16 where that is exact
+        steps = torch.div(mx - mn, _constant((15.0, 240.0), torch.float32, wire.device, (1, 2))).unsqueeze(2)
+    else:
+        steps = _step(mn, mx, levels)
+    special = _huge(hdr)  # blocks decoded one by one: huge ones, and for uint4 those where step / 16 is inexact
+    if pairs:
+        special |= (steps[:, 0, 0] > 0) & (steps[:, 0, 0] < 2.0**-122)
+    special = special.nonzero().view(-1).tolist() if blocks else []
     for first, count, m, start, c in _layout(numel, codec, block_size):
         rows = out[start : start + count * m].view(count, m)
         codes = wire[c : c + count * _code_bytes(m, codec)].view(count, -1)
@@ -350,22 +352,28 @@ def decode(wire: torch.Tensor, numel: int, codec: str, block_size: int = DEFAULT
         for ca, mna, sta, ra in _split(k, codes, mn[first : first + count], steps[first : first + count], rows):
             b = scratch if ca.shape[0] == scratch.k else _Scratch(ca.shape[0], m, levels, out.device, accumulate)
             dst = b.w if accumulate else ra
-            _dequantize(ca, mna, sta, dst, b)
-            for h in huge:
+            if pairs and m % 2 == 0:
+                _dequantize_pairs(ca, mna, sta, dst, b)
+            else:
+                _dequantize(ca, mna, sta[:, :1, 0] if pairs else sta, dst, b)
+            for h in special:
                 if i <= h < i + ca.shape[0]:
-                    _decode_huge(ca[h - i : h - i + 1], hdr[h], dst[h - i : h - i + 1], levels)
+                    _decode_one(ca[h - i : h - i + 1], hdr[h], dst[h - i : h - i + 1], levels)
             if accumulate:
                 ra.add_(dst)
             i += ca.shape[0]
     return out
 
 
-def _decode_huge(codes: torch.Tensor, minmax: torch.Tensor, row: torch.Tensor, levels: int) -> None:
-    """``clamp(2 * (min/2 + q * (r/2 / L)), min, max)`` into the ``(1, m)`` row."""
-    half = (minmax * 0.5).view(1, 2)
-    mn, mx = half[:, 0:1], half[:, 1:2]
+def _decode_one(codes: torch.Tensor, minmax: torch.Tensor, row: torch.Tensor, levels: int) -> None:
+    """Decode one block into the ``(1, m)`` row with :func:`_dequantize`; a huge block as
+    ``clamp(2 * (min/2 + q * (r/2 / L)), min, max)``."""
+    huge = bool(_huge(minmax.view(1, 2)))
+    mm = (minmax * (0.5 if huge else 1.0)).view(1, 2)
+    mn, mx = mm[:, 0:1], mm[:, 1:2]
     _dequantize(codes, mn, _step(mn, mx, levels), row, _Scratch(1, row.shape[1], levels, row.device, floats=False))
-    row.mul_(2.0).clamp_(float(minmax[0]), float(minmax[1]))
+    if huge:
+        row.mul_(2.0).clamp_(float(minmax[0]), float(minmax[1]))
 
 
 def error_bound(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK) -> torch.Tensor:
