@@ -175,16 +175,19 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         def exchange(t: torch.Tensor, c: BaguaCommunicator) -> None:
             if compression == "none":
                 comm.allreduce_inplace(t, ReduceOp.AVG, c)
-                self.bytes_sent += 4 * t.numel()
+                self.bytes_sent += 2 * (c.nranks() - 1) * 4 * t.numel() // c.nranks()  # a ring allreduce's share
                 return
             from bagua.torch_api.block_allreduce import block_allreduce_inplace
             from bagua.torch_api.block_codec import wire_numel
 
-            fragment.workspace = block_allreduce_inplace(
+            ws = fragment.workspace = block_allreduce_inplace(
                 t, c, compression, block, average=True, workspace=fragment.workspace,
                 error_feedback=self.error_feedback, tag=fragment.index,
             )
-            self.bytes_sent += wire_numel(-(-t.numel() // c.nranks()), compression, block) * c.nranks()
+            # this rank's bytes: its encoded chunks to their owners, then its encoded average to every peer
+            n, r = c.nranks(), c.rank()
+            self.bytes_sent += sum(wire_numel(ws.bounds(j)[1] - ws.bounds(j)[0], compression, block)
+                                   for j in range(n) if j != r) + (n - 1) * ws.slot
 
         hierarchy.run_hierarchically(self._exchange_group, self.hierarchical, delta, exchange, average=True)
 
