@@ -25,7 +25,6 @@ def _suite(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, list[dic
     return done, rows, csv_rows
 
 
-@pytest.mark.skip(reason="new multi-process test, committed once it has passed 20 runs in a loop")
 def test_easy_target_convergence_once_step_time_per_network_and_seeds(tmp_path):
     # DDP (synchronous: steps to target once per seed on unshaped links, then a timed run) and async averaging
     # (timing-dependent: trained to the target for real), 2 seeds each
@@ -67,7 +66,6 @@ def test_easy_target_convergence_once_step_time_per_network_and_seeds(tmp_path):
     assert "| ddp |" in (tmp_path / "tt-table.md").read_text()
 
 
-@pytest.mark.skip(reason="new multi-process test, committed once it has passed 20 runs in a loop")
 def test_impossible_target_is_not_reached(tmp_path):
     # DDP stops at --max-steps; the others' budget of 3x DDP's steps when DDP missed is test_step_budget_and_summary's
     done, rows, csv_rows = _suite(tmp_path, "--models", "resnet_tiny", "--systems", "ddp", "--seeds", "1",
