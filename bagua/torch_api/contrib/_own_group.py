@@ -4,11 +4,19 @@ What a hook state or an optimizer sends belongs to it alone (docs/conventions: "
 gets a torch group of its own over the user's ranks, created at construction, collectively, with Bagua's timeout,
 so nothing it sends can be matched with DDP's own collectives, the user's, or another state's. Works with or
 without :func:`bagua.torch_api.init_process_group` (plain ``torch.distributed.init_process_group`` is enough).
+
+At interpreter exit, while the interpreter is still whole, every owner registered with :func:`release_at_exit`
+stops its thread and drops its group, which is then collected: a gloo group freed during finalization joins its
+C++ threads there, and one of them dropping the last reference to a finished work can abort the process with
+"terminate called without an active exception" (see :func:`bagua.torch_api.lifecycle._shutdown`).
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
+import weakref
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -16,7 +24,9 @@ import torch.distributed as dist
 from bagua.torch_api import env
 from bagua.torch_api.process_group import BaguaCommunicator, new_torch_group
 
-__all__ = ["group_ranks", "own_communicator"]
+__all__ = ["group_ranks", "own_communicator", "release_at_exit"]
+
+_owners: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def group_ranks(process_group: Any, owner: str) -> list[int]:
@@ -45,3 +55,20 @@ def own_communicator(ranks: list[int], timeout_s: Optional[float] = None) -> Bag
     """
     timeout = datetime.timedelta(seconds=timeout_s if timeout_s is not None else env.get_comm_timeout_s())
     return BaguaCommunicator(new_torch_group(ranks, private=True, timeout=timeout), ranks)
+
+
+def release_at_exit(owner: Any) -> None:
+    """Call ``owner._release_for_exit()`` at interpreter exit (it stops the owner's thread and drops its group)."""
+    _owners.add(owner)
+
+
+def _release_owners() -> None:
+    for owner in list(_owners):
+        try:
+            owner._release_for_exit()
+        except Exception:  # noqa: BLE001 - exit goes on; nothing is left to report to
+            pass
+    gc.collect()  # frees the groups nothing references any more: their threads are joined now
+
+
+atexit.register(_release_owners)

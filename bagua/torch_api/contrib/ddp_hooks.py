@@ -49,7 +49,7 @@ import torch.distributed as dist
 from bagua.torch_api.algorithms._checks import check_bool, check_choice
 from bagua.torch_api.compressed_allreduce import SEGMENT, Workspace, low_precision_allreduce_inplace
 from bagua.torch_api.compression import HEADER_BYTES
-from bagua.torch_api.contrib._own_group import group_ranks, own_communicator
+from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.data_parallel._comm_plane import CommJob, CommWorker
 from bagua.torch_api.process_group import BaguaCommunicator
 
@@ -115,6 +115,7 @@ class ByteGradState:
         self.buckets = 0
         self.bytes_sent = 0
         self.nonfinite_buckets = 0
+        release_at_exit(self)
 
     def _bind(self) -> None:
         """Create the state's own process group (collective)."""
@@ -170,6 +171,12 @@ class ByteGradState:
             self._worker.close()
             self._worker = None
         self._workspaces.clear()
+
+    def _release_for_exit(self) -> None:
+        if self._worker is not None:
+            self._worker.close(join_timeout_s=1.0)
+            self._worker = None
+        self._communicator = None  # the group is freed while the interpreter is whole
 
     def __repr__(self) -> str:
         return (f"ByteGradState(ranks={self.ranks}, error_feedback={self.error_feedback}, codec={self.codec!r}, "

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from bagua.torch_api import collectives, env
 from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 from bagua.torch_api.compressed_allreduce import all_finite
-from bagua.torch_api.contrib._own_group import group_ranks, own_communicator
+from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.data_parallel._comm_plane import CommJob, CommWorker
 from bagua.torch_api.diloco_ops import Fragment, due_fragments, split_fragments, sync_offsets
 from bagua.torch_api.reduce_op import ReduceOp
@@ -142,6 +142,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         # stats
         self.syncs = 0
         self.bytes_sent = 0
+        release_at_exit(self)
         if warmup_steps == 0:
             self._build_fragments()
 
@@ -350,3 +351,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if self._worker is not None:
             self._worker.close()
             self._worker = None
+
+    def _release_for_exit(self) -> None:
+        if self._worker is not None:
+            self._worker.close(join_timeout_s=1.0)
+            self._worker = None
+        self._communicator = None  # type: ignore[assignment]  (the group is freed while the interpreter is whole)
