@@ -28,6 +28,12 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from bagua.torch_api import communication as comm
+from bagua.torch_api.block_allreduce import block_allreduce_inplace
+from bagua.torch_api.block_codec import wire_numel
+from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.compressed_allreduce import all_finite
+
 __all__ = ["FRAGMENT_LAYOUTS", "split_fragments", "sync_offsets", "due_fragments", "Fragment"]
 
 #: how parameters are dealt into fragments
@@ -133,6 +139,37 @@ class Fragment:
         for p, view in self._views(self.delta):
             view.sub_(p)
         return self.delta
+
+    def exchange(self, c, compression: str, block_size: int, error_feedback: bool) -> int:
+        """Average :attr:`delta` over the communicator ``c`` in place (``"none"``: a float32 allreduce; otherwise
+        the block codec's scatter-reduce-gather, whose residuals live in :attr:`workspace`); return the bytes this
+        rank sent."""
+        n, r = c.nranks(), c.rank()
+        if compression == "none":
+            comm.allreduce_inplace(self.delta, ReduceOp.AVG, c)
+            return 2 * (n - 1) * 4 * self.delta.numel() // n  # a ring allreduce's share
+        ws = self.workspace = block_allreduce_inplace(self.delta, c, compression, block_size, average=True,
+                                                      workspace=self.workspace, error_feedback=error_feedback,
+                                                      tag=self.index)
+        # this rank's encoded chunks to their owners, then its encoded share of the average to every peer
+        return sum(wire_numel(ws.bounds(j)[1] - ws.bounds(j)[0], compression, block_size)
+                   for j in range(n) if j != r) + (n - 1) * ws.slot
+
+    def finish(self, timeout_s: float, alpha: float, owner: str) -> None:
+        """Wait for the exchange in flight (if any), check the average is finite (the same verdict on every rank:
+        they hold the same bytes) and take the outer step; ``owner`` names the caller in the error."""
+        assert self.pending is not None
+        _, job = self.pending
+        if job is not None:
+            job.wait(timeout_s)
+        self.pending = None
+        if not all_finite(self.delta):
+            raise FloatingPointError(
+                f"{owner}: the averaged pseudo-gradient of fragment {self.index} holds NaN or Inf, so some rank's "
+                "weights diverged during the inner steps; the global weights were left as they were. Lower the inner "
+                "learning rate, clip gradients, or use torch.amp.GradScaler (which skips non-finite steps)"
+            )
+        self.outer_step(alpha)
 
     @torch.no_grad()
     def outer_step(self, alpha: float = 0.0) -> None:

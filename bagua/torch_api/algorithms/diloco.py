@@ -40,12 +40,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from bagua.torch_api import communication as comm
 from bagua.torch_api import env, hierarchy
 from bagua.torch_api.algorithms._checks import check_bool, check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from bagua.torch_api.compressed_allreduce import all_finite
-from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.diloco_ops import FRAGMENT_LAYOUTS, Fragment, due_fragments, split_fragments, sync_offsets
 from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
@@ -169,42 +166,17 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         fragment.pending = (finish_step, job)
 
     def _exchange(self, fragment: Fragment, delta: torch.Tensor) -> None:
-        """Average ``delta`` over the ranks, in place (runs on the communication thread)."""
-        compression, block = self.hyper.compression, self.hyper.block_size
+        """Average ``delta`` (the fragment's) over the ranks, in place (runs on the communication thread)."""
 
         def exchange(t: torch.Tensor, c: BaguaCommunicator) -> None:
-            if compression == "none":
-                comm.allreduce_inplace(t, ReduceOp.AVG, c)
-                self.bytes_sent += 2 * (c.nranks() - 1) * 4 * t.numel() // c.nranks()  # a ring allreduce's share
-                return
-            from bagua.torch_api.block_allreduce import block_allreduce_inplace
-            from bagua.torch_api.block_codec import wire_numel
-
-            ws = fragment.workspace = block_allreduce_inplace(
-                t, c, compression, block, average=True, workspace=fragment.workspace,
-                error_feedback=self.error_feedback, tag=fragment.index,
-            )
-            # this rank's bytes: its encoded chunks to their owners, then its encoded average to every peer
-            n, r = c.nranks(), c.rank()
-            self.bytes_sent += sum(wire_numel(ws.bounds(j)[1] - ws.bounds(j)[0], compression, block)
-                                   for j in range(n) if j != r) + (n - 1) * ws.slot
+            self.bytes_sent += fragment.exchange(c, self.hyper.compression, self.hyper.block_size,
+                                                 self.error_feedback)
 
         hierarchy.run_hierarchically(self._exchange_group, self.hierarchical, delta, exchange, average=True)
 
     def _finish(self, fragment: Fragment) -> None:
-        assert fragment.pending is not None
-        _, job = fragment.pending
-        if job is not None:
-            job.wait(env.get_comm_timeout_s())
-        fragment.pending = None
-        if not all_finite(fragment.delta):
-            # every rank holds the same average, so every rank raises here
-            raise FloatingPointError(
-                f"DiLoCo: the averaged pseudo-gradient of fragment {fragment.index} holds NaN or Inf, so some rank's "
-                "weights diverged during the inner steps; the global weights were left as they were. Lower the inner "
-                "learning rate, clip gradients, or use torch.amp.GradScaler (which skips non-finite steps)"
-            )
-        fragment.outer_step(self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0)
+        fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
+                        "DiLoCo")
         self.syncs += 1
 
     def _make_workspace(self, fragment: Fragment):

@@ -35,13 +35,11 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api import collectives, env
+from bagua.torch_api import env
 from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
-from bagua.torch_api.compressed_allreduce import all_finite
 from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.data_parallel._comm_plane import CommJob, CommWorker
 from bagua.torch_api.diloco_ops import Fragment, due_fragments, split_fragments, sync_offsets
-from bagua.torch_api.reduce_op import ReduceOp
 
 __all__ = ["DiLoCoOptimizer"]
 
@@ -52,13 +50,6 @@ def _hyper(**kwargs: Any) -> DiLoCoAlgorithm:
         hyper = DiLoCoAlgorithm(hierarchical=False, **kwargs)
     except ValueError as exc:
         raise ValueError(str(exc).replace("DiLoCoAlgorithm(", "DiLoCoOptimizer(")) from None
-    if hyper.compression != "none":
-        try:
-            import bagua.torch_api.block_allreduce  # noqa: F401
-        except ImportError:
-            raise ValueError(f"DiLoCoOptimizer(compression={hyper.compression!r}) needs the block codec allreduce "
-                             "(bagua.torch_api.block_allreduce), which this version lacks; use compression='none'"
-                             ) from None
     return hyper
 
 
@@ -261,35 +252,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         fragment.pending = (finish_step, job)
 
     def _exchange(self, fragment: Fragment, delta: torch.Tensor) -> None:
-        """Average ``delta`` over the ranks, in place."""
-        c = self._communicator
-        if self.hyper.compression == "none":
-            collectives.allreduce_inplace(delta, ReduceOp.AVG, c)
-            self.bytes_sent += 4 * delta.numel()
-            return
-        from bagua.torch_api.block_allreduce import block_allreduce_inplace
-        from bagua.torch_api.block_codec import wire_numel
-
-        fragment.workspace = block_allreduce_inplace(
-            delta, c, self.hyper.compression, self.hyper.block_size, average=True, workspace=fragment.workspace,
-            error_feedback=self.error_feedback, tag=fragment.index,
-        )
-        self.bytes_sent += wire_numel(-(-delta.numel() // c.nranks()), self.hyper.compression,
-                                      self.hyper.block_size) * c.nranks()
+        """Average ``delta`` (the fragment's) over the ranks, in place."""
+        self.bytes_sent += fragment.exchange(self._communicator, self.hyper.compression, self.hyper.block_size,
+                                             self.error_feedback)
 
     def _finish(self, fragment: Fragment) -> None:
-        assert fragment.pending is not None
-        _, job = fragment.pending
-        if job is not None:
-            job.wait(env.get_comm_timeout_s())
-        fragment.pending = None
-        if not all_finite(fragment.delta):
-            raise FloatingPointError(
-                f"DiLoCoOptimizer: the averaged pseudo-gradient of fragment {fragment.index} holds NaN or Inf, so some "
-                "rank's weights diverged during the inner steps; the global weights were left as they were. Lower "
-                "the inner learning rate, clip gradients, or use torch.amp.GradScaler (which skips non-finite steps)"
-            )
-        fragment.outer_step(self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0)
+        fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
+                        "DiLoCoOptimizer")
         self.syncs += 1
 
     def _make_workspace(self, fragment: Fragment) -> object:
