@@ -70,8 +70,15 @@ def make_run(name):
         opt = QAdamOptimizer(model.parameters(), lr=0.003, warmup_steps=steps_per_epoch * 2)
         return model.with_bagua([opt], QAdamAlgorithm(opt)), model, opt
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    # DiLoCo: 10 local steps between synchronizations (one rank per emulated host: the exchange is between ranks)
-    kwargs = {"async": {"sync_interval_ms": 20}, "diloco": {"sync_every": 10, "hierarchical": False}}.get(name, {})
+    # One process per emulated host: the decentralized algorithms and DiLoCo exchange between the two ranks
+    # (hierarchical=True would average inside the one machine and show nothing of them). DiLoCo: 10 local steps
+    # between synchronizations, plain averaging as the outer step (what suits 2 ranks, docs/algorithms/diloco.md).
+    kwargs = {
+        "async": {"sync_interval_ms": 20},
+        "decentralized": {"hierarchical": False},
+        "low_precision_decentralized": {"hierarchical": False},
+        "diloco": {"sync_every": 10, "outer_lr": 1.0, "outer_momentum": 0.0, "hierarchical": False},
+    }.get(name, {})
     return model.with_bagua([opt], Algorithm.init(name, **kwargs)), model, opt
 
 
@@ -171,5 +178,6 @@ if rank == 0:
     print(f"\n{world} processes, {args.epochs} epochs, batch {args.batch_size} per rank, digits (sklearn). step: "
           f"median over {args.rounds} rounds of the slowest rank's median of {args.timed_steps} steps; speedup "
           "(higher is better): median over rounds of DDP's step / the system's step in the same round, with its "
-          "interquartile range. async's step does not include its averaging, which runs on a background thread. "
+          "interquartile range. async's step does not include its averaging, which runs on a background thread; "
+          "diloco's median step is a local one (it synchronizes on one step in 10, which a median does not show). "
           "AMP acc: the same training under bf16 autocast with torch.amp.GradScaler.")
