@@ -193,10 +193,18 @@ class Fragment:
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The global weights, the outer optimizer's tensors and the codec's residuals, keyed ``<index>.<name>``."""
+    def state_dict(self, timeout_s: float) -> dict[str, torch.Tensor]:
+        """The global weights, the outer optimizer's tensors, the codec's residuals and, for an exchange in flight
+        (waited for, at most ``timeout_s``), its finish step and result; keyed ``<index>.<name>``."""
         p = self.index
         state = {f"{p}.global": self.global_.detach().clone()}
+        if self.pending is not None:
+            finish_step, job = self.pending
+            if job is not None:
+                job.wait(timeout_s)
+            self.pending = (finish_step, None)  # the average is in self.delta
+            state[f"{p}.pending_finish"] = torch.tensor(finish_step)
+            state[f"{p}.pending_average"] = self.delta.detach().clone()
         for key, value in self.outer.state.get(self.global_, {}).items():
             if torch.is_tensor(value):
                 state[f"{p}.outer.{key}"] = value.detach().clone()
@@ -221,3 +229,6 @@ class Fragment:
         if codec:
             self.workspace = make_workspace()
             self.workspace.load_state_dict(codec)  # type: ignore[attr-defined]
+        if f"{p}.pending_finish" in state:
+            self.delta.copy_(state[f"{p}.pending_average"])
+            self.pending = (int(state[f"{p}.pending_finish"]), None)

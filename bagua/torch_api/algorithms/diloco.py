@@ -193,14 +193,7 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         so every rank's checkpoint file is needed."""
         state = {"steps": torch.tensor(self.steps), "processed": torch.tensor(self.processed)}
         for fragment in self.fragments:
-            if fragment.pending is not None:
-                finish_step, job = fragment.pending
-                if job is not None:
-                    job.wait(env.get_comm_timeout_s())
-                fragment.pending = (finish_step, None)  # the average is in fragment.delta
-                state[f"{fragment.index}.pending_finish"] = torch.tensor(finish_step)
-                state[f"{fragment.index}.pending_average"] = fragment.delta.detach().clone()
-            state.update(fragment.state_dict())
+            state.update(fragment.state_dict(env.get_comm_timeout_s()))
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -212,10 +205,6 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         self._loaded = None
         for fragment in self.fragments:
             fragment.load_state_dict(state, functools.partial(self._make_workspace, fragment))
-            key = f"{fragment.index}.pending_finish"
-            if key in state:
-                fragment.delta.copy_(state[f"{fragment.index}.pending_average"])
-                fragment.pending = (int(state[key]), None)
 
     def close(self) -> None:
         for fragment in self.fragments:

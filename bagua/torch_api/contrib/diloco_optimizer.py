@@ -276,14 +276,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         state = self.inner.state_dict()
         diloco: dict[str, torch.Tensor] = {"steps": torch.tensor(self.steps)}
         for fragment in self.fragments:
-            if fragment.pending is not None:
-                finish_step, job = fragment.pending
-                if job is not None:
-                    job.wait(env.get_comm_timeout_s())
-                fragment.pending = (finish_step, None)  # the average is in fragment.delta
-                diloco[f"{fragment.index}.pending_finish"] = torch.tensor(finish_step)
-                diloco[f"{fragment.index}.pending_average"] = fragment.delta.detach().clone()
-            diloco.update(fragment.state_dict())
+            diloco.update(fragment.state_dict(env.get_comm_timeout_s()))
         state["diloco"] = diloco
         return state
 
@@ -306,10 +299,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self._loaded = None
         for fragment in self.fragments:
             fragment.load_state_dict(diloco, functools.partial(self._make_workspace, fragment))
-            key = f"{fragment.index}.pending_finish"
-            if key in diloco:
-                fragment.delta.copy_(diloco[f"{fragment.index}.pending_average"])
-                fragment.pending = (int(diloco[key]), None)
 
     def close(self) -> None:
         """Wait for an exchange in flight and stop the communication thread."""
