@@ -226,7 +226,7 @@ def run_suite(args: argparse.Namespace) -> tuple[list[dict], dict]:
                                         if j.hosts == hosts and j.rate == rate]:
                         bar.set_postfix_str(job.describe() + (f" #{repeat + 1}" if args.repeats > 1 else ""))
                         port = (env.find_free_network_port() if not emulate else 20000 + len(rows) % 20000)
-                        job = to_target_plan.with_budget(job, rows)
+                        job = to_target_plan.with_budget(job, rows, args.budget_factor)
                         rows.append(run_job(cluster, job, workdir, port, args.job_timeout))
                         rows[-1].update(run=meta["started"], repeat=repeat)
                         if rows[-1]["status"] != "ok":
@@ -299,6 +299,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                                                 "get 3x DDP's steps to the target")
     p.add_argument("--seeds", type=int, default=3, help="with --to-target: seeds per convergence run (median "
                                                          "and spread are reported)")
+    p.add_argument("--budget-factor", type=float, default=3.0,
+                   help="with --to-target: the other systems' step budget in DDP's steps to the target (default 3)")
+    p.add_argument("--seeds-of", action="append", default=[], metavar="SYSTEM=N",
+                   help="with --to-target: another seed count for one system, e.g. ddp_fp16=1 (repeatable)")
     p.add_argument("--validate", action="append", default=[], metavar="SYSTEM@RATE",
                    help="with --to-target: also train SYSTEM to the target for real at RATE and compare with steps "
                         "x step time, e.g. ddp@1gbit (repeatable)")
@@ -323,6 +327,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise ValueError(f"--hosts {args.hosts}: every host count must be at least 2")
     args.steps_at = _parse_steps_at(args.steps_at)
     given = [flag for flag, value in (("--target", args.target), ("--eval-every", args.eval_every),
+                                      ("--seeds-of", args.seeds_of),
                                       ("--eval-samples", args.eval_samples), ("--max-steps", args.max_steps),
                                       ("--validate", args.validate), ("--gpu-step", args.gpu_step))
              if value not in (None, [])]
@@ -335,6 +340,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
         raise ValueError("--to-target repeats by seed: use --seeds N, not --repeats")
     if args.seeds < 1:
         raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
+    if args.budget_factor < 1:
+        raise ValueError(f"--budget-factor must be at least 1, got {args.budget_factor}")
+    args.seeds_of = to_target_plan.parse_seeds_of(args.seeds_of)
     args.validate = to_target_plan.parse_validate(args.validate)
     try:
         args.gpu_step = {m: float(v) for m, _, v in (item.partition("=") for item in args.gpu_step)}

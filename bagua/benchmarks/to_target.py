@@ -225,14 +225,15 @@ def summarize(ranks: list[dict]) -> dict:
     }
 
 
-def step_budget(ddp_row: Optional[dict], max_steps: int) -> tuple[int, Optional[int]]:
-    """(step budget, QAdam warmup) of a non-DDP system given DDP's row of the same configuration: 3x the steps
-    DDP needed (or ran, when it missed), QAdam warming up for 20 % of DDP's steps; without a successful DDP row,
-    ``max_steps`` and the workload's default warmup."""
+def step_budget(ddp_row: Optional[dict], max_steps: int,
+                factor: float = BUDGET_FACTOR) -> tuple[int, Optional[int]]:
+    """(step budget, QAdam warmup) of a non-DDP system given DDP's row of the same configuration: ``factor`` (3)
+    times the steps DDP needed (or ran, when it missed), QAdam warming up for 20 % of DDP's steps; without a
+    successful DDP row, ``max_steps`` and the workload's default warmup."""
     if ddp_row is None or ddp_row.get("status") != "ok" or not ddp_row.get("steps_run"):
         return max_steps, None
     ddp_steps = ddp_row["steps_to_target"] or ddp_row["steps_run"]
-    return BUDGET_FACTOR * ddp_steps, max(2, ddp_steps // 5)
+    return int(factor * ddp_steps), max(2, ddp_steps // 5)
 
 
 def add_time_speedups(rows: list[dict]) -> list[dict]:
@@ -275,5 +276,6 @@ def format_table(rows: list[dict]) -> str:
             for line in lines]
     text.insert(1, "-" * len(text[0]))
     text.append("time = training wall time to the target, evaluations excluded (wall: included); "
-                f"budget: --max-steps for DDP, {BUDGET_FACTOR}x DDP's steps for the others")
+                "budget: --max-steps for DDP, --budget-factor (default "
+                f"{BUDGET_FACTOR}) x DDP's steps for the others")
     return "\n".join(text)

@@ -3,8 +3,8 @@
 For every host count and model, in this order (DDP first in each phase, since its steps set the others' budgets):
 
 1. ``convergence``: every synchronous system trains to the target on unshaped links, once per seed
-   (``--seeds``). Its trajectory is the same on any link (the same gradients are combined in the same order,
-   only later), so these steps to target hold at every bandwidth;
+   (``--seeds``, or ``--seeds-of SYSTEM=N`` for one system). Its trajectory is the same on any link (the same
+   gradients are combined in the same order, only later), so these steps to target hold at every bandwidth;
 2. ``step_time``: every synchronous system runs ``--warmup`` + ``--steps`` steps at every bandwidth (seed 0),
    rounded up to whole rounds of a local-update system (:func:`~bagua.benchmarks.systems.steps_per_round`);
 3. ``real``: every system whose trajectory depends on timing (:func:`timing_dependent`: asynchronous averaging,
@@ -13,7 +13,8 @@ For every host count and model, in this order (DDP first in each phase, since it
 4. ``validation`` (``--validate SYSTEM@RATE``): one synchronous system trains to the target for real at a
    shaped bandwidth (seed 0), to check steps x step time against it (:func:`bagua.benchmarks.to_target_table.validate`).
 
-Budgets: DDP trains for at most ``--max-steps``; every other system for 3x DDP's steps of the same seed.
+Budgets: DDP trains for at most ``--max-steps``; every other system for 3x DDP's steps of the same seed
+(``--budget-factor``).
 :mod:`bagua.benchmarks.to_target_table` combines the rows.
 """
 
@@ -25,7 +26,7 @@ from typing import Optional, Sequence
 
 from bagua.benchmarks import to_target
 
-__all__ = ["TIMING_DEPENDENT", "timing_dependent", "plan", "with_budget", "parse_validate"]
+__all__ = ["TIMING_DEPENDENT", "timing_dependent", "plan", "with_budget", "parse_validate", "parse_seeds_of"]
 
 #: systems whose trajectory depends on when communication finishes, not only on the steps taken
 TIMING_DEPENDENT = ("async",)
@@ -56,6 +57,18 @@ def parse_validate(items: Sequence[str]) -> list[tuple[str, str]]:
     return out
 
 
+def parse_seeds_of(items: Sequence[str]) -> dict[str, int]:
+    """``SYSTEM=N`` items (``--seeds-of``) as a dict; the system may carry arguments (``diloco:sync_every=10=1``
+    reads as system ``diloco:sync_every=10``, 1 seed)."""
+    out = {}
+    for item in items:
+        system, sep, count = item.rpartition("=")
+        if not sep or not system or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"--seeds-of {item!r}: write SYSTEM=N with N >= 1, e.g. ddp_fp16=1")
+        out[system] = int(count)
+    return out
+
+
 def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optional[int]]) -> list:
     """The jobs of a ``--to-target`` suite run, in the order they must run (see the module docstring)."""
     from bagua.benchmarks.netns import parse_rate
@@ -64,6 +77,11 @@ def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optio
 
     systems = sorted(systems, key=lambda s: s != "ddp")
     timed = {s: timing_dependent(s) for s in systems}
+    seeds_of = getattr(args, "seeds_of", {})
+    unknown = sorted(set(seeds_of) - set(systems))
+    if unknown:
+        raise ValueError(f"--seeds-of names systems that are not in --systems: {unknown}")
+    seeds = {s: range(seeds_of.get(s, args.seeds)) for s in systems}
     validations = [(s, parse_rate(r)) for s, r in args.validate]
     shaped = [r for r in rates if r is not None]
     jobs = []
@@ -82,24 +100,24 @@ def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optio
                            phase=phase, **kw)
 
             for system in systems:
-                for seed in range(args.seeds):
+                for seed in seeds[system]:
                     jobs.append(job(system, None, "real" if timed[system] else "convergence", seed, **tt))
             for rate in [None] + shaped:
                 jobs += [job(s, rate, "step_time") for s in systems if not timed[s]]
             for rate in shaped:
-                jobs += [job(s, rate, "real", seed, **tt) for s in systems if timed[s] for seed in range(args.seeds)]
+                jobs += [job(s, rate, "real", seed, **tt) for s in systems if timed[s] for seed in seeds[s]]
             for system, rate in validations:
                 if rate in shaped and not timing_dependent(system):
                     jobs.append(job(system, rate, "validation", 0, **tt))
     return jobs
 
 
-def with_budget(job, rows: Sequence[dict]):
+def with_budget(job, rows: Sequence[dict], factor: float = to_target.BUDGET_FACTOR):
     """A non-DDP to-target job with its step budget and QAdam warmup from DDP's convergence row of the same
     model, hosts and seed."""
     if job.target is None or job.system == "ddp":
         return job
     ddp = [r for r in rows if (r["model"], r["hosts"], r["system"], r.get("phase"), r.get("seed", 0)) ==
            (job.model, job.hosts, "ddp", "convergence", job.seed)]
-    budget, qadam_warmup = to_target.step_budget(ddp[-1] if ddp else None, job.max_steps)
+    budget, qadam_warmup = to_target.step_budget(ddp[-1] if ddp else None, job.max_steps, factor)
     return dataclasses.replace(job, max_steps=budget, qadam_warmup=qadam_warmup)

@@ -88,6 +88,7 @@ def test_step_budget_and_summary():
     assert to_target.step_budget({"status": "failed"}, 500) == (500, None)
     assert to_target.step_budget({"status": "ok", "steps_to_target": 40, "steps_run": 40}, 500) == (120, 8)
     assert to_target.step_budget({"status": "ok", "steps_to_target": None, "steps_run": 500}, 500) == (1500, 100)
+    assert to_target.step_budget({"status": "ok", "steps_to_target": 40, "steps_run": 40}, 500, 1.5) == (60, 8)
     assert to_target.reached(0.97, 0.97, higher_is_better=True) and not to_target.reached(2.6, 2.5, False)
 
     def rank(train_s, hit):
@@ -125,6 +126,10 @@ def test_suite_flags_are_checked():
         parse_args(["--to-target", "--models", "gpt", "--validate", "ddp"])
     with pytest.raises(ValueError, match="add --to-target"):
         parse_args(["--models", "gpt", "--validate", "ddp@1gbit"])
+    with pytest.raises(ValueError, match="SYSTEM=N"):
+        parse_args(["--to-target", "--models", "gpt", "--seeds-of", "ddp_fp16"])
+    with pytest.raises(ValueError, match="SYSTEM=N"):
+        parse_args(["--to-target", "--models", "gpt", "--seeds-of", "ddp_fp16=0"])
     args = parse_args(["--to-target", "--models", "gpt,resnet", "--target", "gpt=2.4", "--validate", "ddp@1gbit",
                        "--gpu-step", "gpt=0.01", "--bandwidths", "unshaped,10mbit"])
     assert args.targets == {"gpt": 2.4} and args.seeds == 3 and args.validate == [("ddp", "1gbit")]
@@ -155,3 +160,19 @@ def test_plan_measures_convergence_once_and_step_time_per_network():
     assert by[("step_time", "ddp", "1gbit")].steps == 5 and by[("step_time", "ddp", "1gbit")].target is None
     assert by[("convergence", "ddp", "unshaped")].target == to_target.DEFAULTS["gpt"].target
     assert [j.workload_args()[-2:] for j in jobs if j.phase == "convergence"][1] == ["--seed", "1"]
+
+
+def test_seeds_of_gives_one_system_its_own_seed_count():
+    from bagua.benchmarks.network import _plan, parse_args
+
+    args = parse_args(["--to-target", "--models", "gpt", "--bandwidths", "unshaped,1gbit", "--seeds", "3",
+                       "--seeds-of", "ddp_fp16=1", "--seeds-of", "diloco:sync_every=10=2"])
+    assert args.seeds_of == {"ddp_fp16": 1, "diloco:sync_every=10": 2}
+    jobs = _plan(args, ["ddp", "ddp_fp16", "diloco:sync_every=10"], [None, 10**9])
+    seeds = {}
+    for j in jobs:
+        if j.phase == "convergence":
+            seeds.setdefault(j.system, []).append(j.seed)
+    assert seeds == {"ddp": [0, 1, 2], "ddp_fp16": [0], "diloco:sync_every=10": [0, 1]}
+    with pytest.raises(ValueError, match="not in --systems"):
+        _plan(args, ["ddp", "ddp_fp16"], [None])
