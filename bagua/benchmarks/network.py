@@ -31,10 +31,10 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from bagua.benchmarks import netns, report, to_target, to_target_plan
+from bagua.benchmarks.job import Job
 from bagua.benchmarks.workload import MODELS, available_systems, split_system
 from bagua.torch_api import env
 
@@ -44,48 +44,6 @@ __all__ = ["Job", "parse_args", "check_optional_imports", "resolve_systems", "ru
 _MODEL_IMPORTS = {m: ("sklearn", "scikit-learn") for m in ("digits", "resnet", "resnet_tiny")}
 _STEP_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "MASTER_ADDR",
               "MASTER_PORT", "GLOO_SOCKET_IFNAME", "TORCHELASTIC_RUN_ID")
-
-
-@dataclass(frozen=True)
-class Job:
-    """One training run: a model, a system, a host count and a link rate (``None``: unshaped)."""
-
-    model: str
-    system: str
-    hosts: int
-    rate: Optional[int]
-    warmup: int
-    steps: int
-    epochs: int
-    batch_size: Optional[int] = None  # None: the model's own (workload.MODELS)
-    target: Optional[float] = None  # time-to-accuracy mode (bagua.benchmarks.to_target) when set
-    eval_every: Optional[int] = None
-    eval_samples: Optional[int] = None
-    max_steps: Optional[int] = None
-    qadam_warmup: Optional[int] = None
-    seed: int = 0
-    phase: Optional[str] = None  # time-to-accuracy phase (bagua.benchmarks.to_target_plan)
-
-    def workload_args(self) -> list[str]:
-        """The job's own arguments of ``python -m bagua.benchmarks.workload`` (options left unset are omitted)."""
-        argv = ["--system", self.system, "--model", self.model, "--warmup", str(self.warmup), "--steps",
-                str(self.steps), "--epochs", str(self.epochs)]
-        for flag, value in (("--batch-size", self.batch_size), ("--target", self.target),
-                            ("--eval-every", self.eval_every), ("--eval-samples", self.eval_samples),
-                            ("--max-steps", self.max_steps), ("--qadam-warmup", self.qadam_warmup),
-                            ("--seed", self.seed or None)):
-            if value is not None:
-                argv += [flag, str(value)]
-        return argv
-
-    @property
-    def bandwidth(self) -> str:
-        return netns.format_rate(self.rate)
-
-    def describe(self) -> str:
-        seed = f" seed {self.seed}" if self.phase in ("convergence", "real") else ""
-        return f"{self.hosts} hosts {self.bandwidth} {self.model} {self.system}" + (f" {self.phase}{seed}"
-                                                                                     if self.phase else "")
 
 
 def resolve_systems(spec: str) -> list[str]:

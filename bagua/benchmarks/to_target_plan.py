@@ -25,6 +25,7 @@ import dataclasses
 from typing import Optional, Sequence
 
 from bagua.benchmarks import to_target
+from bagua.benchmarks.job import Job
 
 __all__ = ["TIMING_DEPENDENT", "timing_dependent", "plan", "with_budget", "parse_validate", "parse_seeds_of"]
 
@@ -72,7 +73,6 @@ def parse_seeds_of(items: Sequence[str]) -> dict[str, int]:
 def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optional[int]]) -> list:
     """The jobs of a ``--to-target`` suite run, in the order they must run (see the module docstring)."""
     from bagua.benchmarks.netns import parse_rate
-    from bagua.benchmarks.network import Job
     from bagua.benchmarks.systems import steps_per_round
 
     systems = sorted(systems, key=lambda s: s != "ddp")
