@@ -6,11 +6,18 @@ For Adam(foreach=False), SGD with momentum and a user-written Lion (a per-parame
 of ``--steps`` timings per variant and the ratios, and writes them as JSON with ``--out``.
 
 Variants: ``unfused`` (``foreach=False``, the per-parameter loop), ``fused`` (the same optimizer after
-``fuse_optimizer``), ``foreach`` (torch ``foreach=True``) and ``torch_fused`` (torch ``fused=True``); the last two
-exist only for torch's Adam and SGD. ``unfused_new_grads`` and ``fused_new_grads`` are the unfused and fused steps
+``fuse_optimizer``, the exact eager step), ``compiled`` (``fuse_optimizer(..., compile=True)``: the step compiled by
+``torch.compile``; its first two steps, eager and compiling, fall in the warm-up), ``foreach`` (torch
+``foreach=True``) and ``torch_fused`` (torch ``fused=True``); the last two exist only for torch's Adam and SGD. ``unfused_new_grads`` and ``fused_new_grads`` are the unfused and fused steps
 when every gradient is a new tensor, as after ``zero_grad()`` with its default ``set_to_none=True`` and a backward
 (the tensors are made untimed before each step); the fused step then copies them into its flat gradient. The
-``new grads`` column is their ratio, the speedup a user of the default ``zero_grad()`` sees.
+``new grads`` column is their ratio, the speedup a user of the default ``zero_grad()`` sees; ``compiled_new_grads``
+the same for the compiled step.
+
+The memory limit: the bytes a step must move (read the parameters, gradients and every elementwise state tensor;
+write back the parameters and the state) over this machine's copy bandwidth (``dst.copy_(src)`` of 64 MiB buffers,
+read + written bytes over time on the benchmark's clock, measured before and after the timings, the faster kept). ``x limit`` columns are a
+variant's step time over that bound. The load average is read at the start and at the end.
 
 The fused variants use ``fuse_optimizer``'s defaults: on CPU, chunks sized for the optimizer's state and flat
 buffers on transparent huge pages where Linux allows it (``--huge-pages off`` sets ``BAGUA_FUSE_HUGE_PAGES=0``;
@@ -80,7 +87,7 @@ def make_params(n, shape, device):
     return params
 
 
-def variants(name, n, shape, device, chunk_bytes):
+def variants(name, n, shape, device, chunk_bytes, compiled):
     """Return ``{variant: step callable}`` for one optimizer; each variant owns its parameters."""
     make = OPTIMIZERS[name]
     out = {}
@@ -93,6 +100,10 @@ def variants(name, n, shape, device, chunk_bytes):
     out["unfused_new_grads"] = _with_new_grads(make(make_params(n, shape, device), foreach=False), "step")
     fresh = fuse_optimizer(make(make_params(n, shape, device), foreach=False), chunk_bytes=chunk_bytes)
     out["fused_new_grads"] = _with_new_grads(fresh, "fuse_step")
+    if compiled:
+        out["compiled"] = fuse_optimizer(make(make_params(n, shape, device), foreach=False), compile=True).fuse_step
+        fresh = fuse_optimizer(make(make_params(n, shape, device), foreach=False), compile=True)
+        out["compiled_new_grads"] = _with_new_grads(fresh, "fuse_step")
     if name != "lion":
         out["foreach"] = make(make_params(n, shape, device), foreach=True).step
         try:
@@ -112,6 +123,32 @@ def _with_new_grads(opt, method):
             p.grad = g.clone()
 
     return prepare, getattr(opt, method)
+
+
+def copy_bandwidth(device, clock, nbytes=64 << 20, reps=9):
+    """Bytes per second that ``dst.copy_(src)`` moves (read + written), median of ``reps`` copies, timed with the
+    benchmark's clock (with ``--clock cpu`` a busy machine then slows the copy as little as it slows the steps)."""
+    now = time.process_time if clock == "cpu" else time.perf_counter
+    src = torch.randn(nbytes // 4, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    times = []
+    for _ in range(reps + 1):
+        sync()
+        t0 = now()
+        dst.copy_(src)
+        sync()
+        times.append(now() - t0)
+    return 2 * nbytes / statistics.median(times[1:])
+
+
+def step_bytes(opt):
+    """Bytes one step must move: parameters read and written, gradients read, each elementwise state tensor read and
+    written (taken from the state of the optimizer's first parameter)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = opt.state.get(params[0], {})
+    tensors = sum(isinstance(v, torch.Tensor) and v.dim() > 0 for v in state.values())
+    return sum(p.numel() * p.element_size() for p in params) * (3 + 2 * tensors)
 
 
 def sweep_variants(name, n, shape, device, kibs):
@@ -202,6 +239,7 @@ def main():
                         help="instead: time the unfused step against fused steps with these chunk sizes (KiB)")
     parser.add_argument("--loop", action="store_true",
                         help="instead: zero_grad() + backward + step, backward and step timed apart (CPU clock)")
+    parser.add_argument("--no-compiled", action="store_true", help="leave out the compiled variants")
     parser.add_argument("--out", default=None, help="write the results as JSON here")
     args = parser.parse_args()
     if args.threads:
@@ -231,12 +269,19 @@ def main():
                   flush=True)
         return
     huge_pages = args.device == "cpu" and huge_pages_enabled()
-    results, chunks = {}, {}
+    load = [os.getloadavg()[0]]
+    bandwidth = copy_bandwidth(args.device, args.clock)
+    results, chunks, limits = {}, {}, {}
     for name in args.optimizers:
-        steps = variants(name, args.params, shape, args.device, args.chunk_bytes)
+        steps = variants(name, args.params, shape, args.device, args.chunk_bytes, not args.no_compiled)
         results[name] = time_round_robin(steps, args.steps, args.warmup, args.device, args.clock)
-        plan = steps["fused"].__self__._bagua_fuser.plan
+        fused = steps["fused"].__self__
+        plan = fused._bagua_fuser.plan
         chunks[name] = sorted({c.numel() * c.element_size() for runs, _ in plan for run in runs for c in run.chunks})
+        limits[name] = step_bytes(fused)
+    bandwidth = max(bandwidth, copy_bandwidth(args.device, args.clock))
+    load.append(os.getloadavg()[0])
+    limit_ms = {name: b / bandwidth * 1e3 for name, b in limits.items()}
 
     print(f"\n{args.params} params of {shape}, {args.device}, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, median of {args.steps} steps, {args.clock} clock (ms); "
@@ -249,9 +294,23 @@ def main():
         print(f"{name:<14}" + "".join(f"{r[c]:>18.2f}" if c in r else f"{'-':>18}" for c in cols)
               + f"{ratio('unfused', 'fused'):>15}{ratio('unfused_new_grads', 'fused_new_grads'):>11}"
               + f"{ratio('foreach', 'fused'):>15}{ratio('fused', 'torch_fused'):>19}")
+    if not args.no_compiled:
+        print(f"\ncompiled (compile=True); memory limit: {bandwidth / 1e9:.1f} GB/s copy bandwidth")
+        print(f"{'optimizer':<14}{'compiled':>10}{'new_grads':>11}{'limit':>8}{'unfused/':>10}{'new grads':>11}"
+              f"{'/torch_fused':>14}{'fused x':>9}{'compiled x':>12}{'new grads x':>13}")
+        print(f"{'':<14}{'':>10}{'':>11}{'':>8}{'compiled':>10}{'':>11}{'':>14}{'limit':>9}{'limit':>12}{'limit':>13}")
+        for name, r in results.items():
+            lim = limit_ms[name]
+            ratio = lambda a, b: f"{r[a] / r[b]:.2f}x" if a in r and b in r else "-"  # noqa: E731
+            print(f"{name:<14}{r['compiled']:>10.2f}{r['compiled_new_grads']:>11.2f}{lim:>8.2f}"
+                  f"{ratio('unfused', 'compiled'):>10}{ratio('unfused_new_grads', 'compiled_new_grads'):>11}"
+                  f"{ratio('compiled', 'torch_fused'):>14}{r['fused'] / lim:>8.2f}x{r['compiled'] / lim:>11.2f}x"
+                  f"{r['compiled_new_grads'] / lim:>12.2f}x")
+    print(f"load average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end")
     if args.out:
         meta = dict(params=args.params, shape=list(shape), device=args.device, threads=torch.get_num_threads(),
-                    steps=args.steps, chunk_bytes=args.chunk_bytes, clock=args.clock,
+                    steps=args.steps, chunk_bytes=args.chunk_bytes, clock=args.clock, copy_bandwidth=bandwidth,
+                    step_bytes=limits, limit_ms=limit_ms, load_average_start_end=load,
                     huge_pages=huge_pages, fused_chunk_bytes=chunks,
                     load_average=list(os.getloadavg()), torch=torch.__version__,
                     machine=platform.machine(), processor=platform.processor())

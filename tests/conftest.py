@@ -4,10 +4,17 @@ import pytest
 import torch
 
 
+def pytest_addoption(parser):
+    parser.addoption("--runslow", action="store_true", help="also run tests marked slow (torch.compile per optimizer)")
+
+
 def pytest_collection_modifyitems(config, items):
+    skip_slow = pytest.mark.skip(reason="slow: run with --runslow")
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_redis = pytest.mark.skip(reason="needs a redis-server binary (apt-get install redis-server)")
     for item in items:
+        if item.get_closest_marker("slow") is not None and not config.getoption("--runslow"):
+            item.add_marker(skip_slow)
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
         if "redis" in item.keywords and shutil.which("redis-server") is None:

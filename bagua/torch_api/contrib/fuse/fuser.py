@@ -7,7 +7,9 @@ docstring defines *segment*): :func:`~bagua.torch_api.contrib.fuse.optimizer.fus
 
 from __future__ import annotations
 
+import logging
 import operator
+import sys
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -17,10 +19,13 @@ from typing import Any, Optional
 import torch
 
 from bagua.torch_api.bucket import in_bucket_storage
+from bagua.torch_api.contrib.fuse.compiled import CompiledStep
 from bagua.torch_api.contrib.fuse.layout import Segment, adopt, find_segments, fits_flat, flatten_params, install_grads
 from bagua.torch_api.contrib.fuse.plan import Run, elementwise_count, make_runs, write_run
 
 __all__: list[str] = []  # private to the fused optimizer: its public names are in optimizer.py
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -42,13 +47,20 @@ class _Fuser:
         "do_flatten", "check_flatten", "chunk_bytes",
         # internal state
         "optimizer", "layouts", "follow", "plan", "codes", "dirty", "in_step", "fallback", "warned", "handles",
+        # the compiled step (None: eager), the plan stepped eagerly once (compiled from its next step on), and the
+        # param groups and state built for that plan (kept, so that the compiled code's guards see the same objects)
+        "compiled", "stepped_plan", "built",
         # stats
         "fused_count",
     )
 
-    def __init__(self, optimizer, do_flatten: bool, check_flatten: bool, chunk_bytes: Optional[int]):
+    def __init__(
+        self, optimizer, do_flatten: bool, check_flatten: bool, chunk_bytes: Optional[int], compiled: bool = False
+    ):
         self.do_flatten, self.check_flatten, self.chunk_bytes = do_flatten, check_flatten, chunk_bytes
         self.optimizer = optimizer
+        self.compiled = CompiledStep() if compiled else None
+        self.stepped_plan, self.built = None, None
         # groups whose memory another owner took over (parameters moved into another flat buffer, or gradients in
         # Bagua's buckets): their segments are found in memory as it is (as with do_flatten=False), never copied back
         self.follow: set[int] = set()
@@ -80,20 +92,29 @@ class _Fuser:
         codes = self._check()
         if self.plan is None or codes != self.codes:
             self.plan, self.codes = self._make_plan(codes), codes
-        fused_groups, fused_state = self._materialize()
+        compiled = self.compiled is not None and self.stepped_plan is self.plan
+        fused_groups, fused_state = self._materialize(keep=compiled)
         saved = opt.param_groups, opt.state
         opt.param_groups, opt.state = fused_groups, fused_state
         self.in_step = True
         try:
-            type(opt).step(opt)  # the class's step: its hooks run with this optimizer, not a copy
+            if compiled:
+                states = [st for runs, _ in self.plan for run in runs for st in run.states]
+                self.compiled.step(opt, saved[0], fused_groups, states)
+            else:
+                type(opt).step(opt)  # the class's step: its hooks run with this optimizer, not a copy
         except BaseException:
             self.plan, self.dirty = None, True
             raise
         finally:
             opt.param_groups, opt.state = saved
             self.in_step = False
-        plan = self.plan
+        plan = self.stepped_plan = self.plan
         self._write_back(fused_groups, fused_state)
+        if compiled and self.compiled.failed is not None:
+            logger.warning("fuse_step: compiling the step failed (%s); the exact eager fused step runs from now on",
+                           self.compiled.failed)
+            self.compiled, self.plan = None, None  # the eager step's chunks are cut for the cache again
         # the original's count: one per param group in which this step fused at least two parameters
         self.fused_count += sum(any(run.b - run.a > 1 for run in runs) for runs, _ in plan)
         opt._bagua_fused_count = self.fused_count
@@ -238,14 +259,27 @@ class _Fuser:
     # --- plan: which parameters are stepped together ---------------------------------------------------------
 
     def _make_plan(self, codes) -> list[tuple[list[Run], list[torch.Tensor]]]:
+        # compiled, a run is one tensor: the compiled loop makes one pass whatever its size, so there are no
+        # passes to keep in cache
+        chunk_bytes = sys.maxsize if self.compiled is not None and self.chunk_bytes is None else self.chunk_bytes
         return [
-            make_runs(lay.segments, group_codes, lay.loose, self.optimizer.state, self.chunk_bytes)
+            make_runs(lay.segments, group_codes, lay.loose, self.optimizer.state, chunk_bytes)
             for lay, group_codes in zip(self.layouts, codes)
         ]
 
-    def _materialize(self):
-        """Build the param groups and state that the optimizer's own ``step`` will see."""
-        opt, fused_state = self.optimizer, defaultdict(dict)
+    def _materialize(self, keep: bool = False):
+        """Build the param groups and state that the optimizer's own ``step`` will see.
+
+        With ``keep`` (the compiled step) the ones built for this plan are reused, their hyper-parameters refreshed:
+        the compiled code then meets the same objects at every step.
+        """
+        opt = self.optimizer
+        if keep and self.built is not None and self.built[0] is self.plan:
+            _, fused_groups, fused_state = self.built
+            for group, fused in zip(opt.param_groups, fused_groups):
+                fused.update((k, v) for k, v in group.items() if k != "params")
+            return fused_groups, fused_state
+        fused_state = _FusedState(opt.state)
         fused_groups = []
         for group, (runs, loose) in zip(opt.param_groups, self.plan):
             params = []
@@ -260,6 +294,7 @@ class _Fuser:
             fused = dict(group)
             fused["params"] = params
             fused_groups.append(fused)
+        self.built = (self.plan, fused_groups, fused_state) if keep else None
         return fused_groups, fused_state
 
     # --- write back ------------------------------------------------------------------------------------------
@@ -289,6 +324,21 @@ class _Fuser:
     def _give_up(self, why: str) -> None:
         self.fallback = True
         self._warn("fallback", f"{why}; using the plain step() from now on")
+
+
+class _FusedState(defaultdict):
+    """The ``state`` the optimizer's step sees: the fused tensors' state, and for any other tensor the optimizer's own
+    state, not a new empty dict. While the step runs, code that reads ``optimizer.state[p]`` for a real parameter
+    (a step hook, QAdam's momentum getter on the communication thread) then finds ``p``'s state as it is."""
+
+    def __init__(self, real: dict):
+        super().__init__(dict)
+        self.real = real
+
+    def __missing__(self, key):
+        if key in self.real:
+            return self.real[key]
+        return super().__missing__(key)
 
 
 _MISSING = object()

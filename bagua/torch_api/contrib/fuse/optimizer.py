@@ -21,18 +21,22 @@ are not elementwise and give different results; ``LBFGS``, ``SparseAdam``, ``Ada
 
 from __future__ import annotations
 
+import logging
 import types
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
 
+from bagua.torch_api.contrib.fuse.compiled import compile_unavailable
 from bagua.torch_api.contrib.fuse.fuser import _Fuser
 from bagua.torch_api.contrib.fuse.mutual_groups import calculate_mutual_groups
 
 # calculate_mutual_groups: the original's grouping helper, kept apart in mutual_groups.py (the fuser finds its
 # runs itself) and re-exported here, its original path
 __all__ = ["fuse_optimizer", "is_fused_optimizer", "fuse_step", "calculate_mutual_groups"]
+
+logger = logging.getLogger(__name__)
 
 _ATTR = "_bagua_fuser"
 _NOT_ELEMENTWISE = tuple(
@@ -47,6 +51,7 @@ def fuse_optimizer(
     *,
     replace_step: bool = False,
     chunk_bytes: Optional[int] = None,
+    compile: bool = False,
 ) -> torch.optim.Optimizer:
     """Make ``optimizer`` fusable: give it a ``fuse_step`` method that steps a few flat tensors.
 
@@ -65,7 +70,15 @@ def fuse_optimizer(
             (``torch.amp.GradScaler.step``, Lightning, LR-scheduler wrappers made afterwards) runs it fused.
         chunk_bytes: the most bytes one fused tensor spans. None: on CPU, sized so that what one chunk's step
             touches stays in cache between its passes (:func:`~bagua.torch_api.contrib.fuse.plan.cpu_chunk_bytes`:
-            1.5 MiB for SGD with momentum, 1 MiB for Adam); unlimited on other devices.
+            1.5 MiB for SGD with momentum, 1 MiB for Adam); unlimited on other devices and when compiled.
+        compile: compile the step over the flat buffers with ``torch.compile`` (one loop per run instead of one
+            pass per operation: 2-3x faster on CPU, see docs/fused_optimizer.md). Not bitwise equal to ``step()``:
+            compiled code rounds differently (Adam's parameters after 100 steps within about 1e-5 of the largest
+            one's magnitude). The first fused step of each layout runs eagerly (it may create the state), the
+            second compiles (10-40 s on CPU). Falls back to the exact eager fused step, with a warning, where
+            compiling is impossible (no C++ compiler or Triton; a step Dynamo cannot trace). ``lr`` and any float
+            hyper-parameter that changes are passed as tensors, so an LR schedule does not recompile. False (the
+            default): the exact eager fused step, bitwise equal to ``step()``.
 
     Returns:
         The same ``optimizer``, with ``fuse_step(closure=None)`` and ``_bagua_fused_count``.
@@ -94,7 +107,7 @@ def fuse_optimizer(
             "that wrapper. Create LR schedulers after fuse_optimizer.",
             stacklevel=2,
         )
-    fuser = _Fuser(optimizer, do_flatten, check_flatten, chunk_bytes)
+    fuser = _Fuser(optimizer, do_flatten, check_flatten, chunk_bytes, compiled=_compile_choice(optimizer, compile))
     setattr(optimizer, _ATTR, fuser)
     optimizer._bagua_check_flatten = do_flatten and check_flatten
     optimizer._bagua_fused_count = 0
@@ -102,6 +115,23 @@ def fuse_optimizer(
     if replace_step:
         optimizer.step = types.MethodType(fuse_step, optimizer)
     return optimizer
+
+
+def _compile_choice(optimizer: torch.optim.Optimizer, compile: bool) -> bool:
+    """Decide whether the step is compiled, and say which path runs in one log line."""
+    name = type(optimizer).__name__
+    if not compile:
+        logger.info("fuse_optimizer(%s): exact eager fused step (bitwise equal to step(); compile=True for the "
+                    "compiled one)", name)
+        return False
+    devices = {p.device for group in optimizer.param_groups for p in group["params"]}
+    why = next((w for w in map(compile_unavailable, sorted(devices, key=str)) if w is not None), None)
+    if why is not None:
+        logger.warning("fuse_optimizer(%s): compile=True, but %s; the exact eager fused step runs", name, why)
+        return False
+    logger.info("fuse_optimizer(%s): compiled fused step (torch.compile, Inductor), compiled at the second "
+                "fuse_step of each layout", name)
+    return True
 
 
 def is_fused_optimizer(optimizer: Any) -> bool:
