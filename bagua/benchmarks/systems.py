@@ -1,7 +1,8 @@
 """The systems the workload trains with: torch DDP variants and Bagua algorithms, wrapped and instrumented.
 
 A *system* is a spec ``name[:key=value...]`` (:func:`split_system`): ``ddp``, ``ddp_fp16``, ``ddp_powersgd``,
-``ddp_bytegrad`` (Bagua's ByteGrad as a DDP comm hook),
+``ddp_bytegrad[:codec=uint8:error_feedback=True...]`` (Bagua's ByteGrad as a DDP comm hook, the arguments of
+``ByteGradState``),
 ``ddp_post_local_sgd[:period=P:warmup=W]`` (torch's post-local SGD, :func:`_post_local_sgd`) or a name in Bagua's
 algorithm registry (:func:`available_systems`). :func:`make_system` wraps a model for it, builds its
 optimizer and times its communication (:class:`_IntervalTimer`); :func:`untimed_steps` and
@@ -264,7 +265,7 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
     name, kwargs = split_system(name)
     if name == "ddp_post_local_sgd":
         return _post_local_sgd(model, optimizer_kind, lr, timer, **kwargs)
-    if kwargs and (name in DDP_SYSTEMS or name == "qadam"):
+    if kwargs and name in DDP_SYSTEMS and name != "ddp_bytegrad":
         raise ValueError(f"{name} takes no extra arguments in this benchmark, got {kwargs}")
     if name in DDP_SYSTEMS:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -280,7 +281,7 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
         elif name == "ddp_bytegrad":  # Bagua's ByteGrad as a comm hook on plain DDP (docs/integrations.md)
             from bagua.torch_api.contrib.ddp_hooks import ByteGradState, bytegrad_hook
 
-            state = ByteGradState()
+            state = ByteGradState(**kwargs)  # e.g. ddp_bytegrad:codec=uint8:error_feedback=True
             ddp.register_comm_hook(state, _timed_hook(bytegrad_hook, timer))
             return System(ddp, _make_optimizer(optimizer_kind, ddp.parameters(), lr), ddp.no_sync, timer,
                           close=state.close, notes=["ByteGrad as a DDP comm hook (contrib.ddp_hooks.bytegrad_hook)"])
@@ -300,7 +301,7 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
 
         optimizer = QAdamOptimizer(model.parameters(), lr=lr if optimizer_kind == "adam" else 1e-3,
                                    warmup_steps=qadam_warmup)
-        algorithm = GlobalAlgorithmRegistry.get("qadam")(optimizer)
+        algorithm = GlobalAlgorithmRegistry.get("qadam")(optimizer, **kwargs)  # e.g. qadam:codec=uint8
         notes.append(f"QAdamOptimizer, warmup_steps={qadam_warmup}")
     else:
         optimizer = _make_optimizer(optimizer_kind, model.parameters(), lr)

@@ -65,6 +65,9 @@ class BlockWorkspace:
         nranks: ranks of the communicator.
         codec: one of :data:`~bagua.torch_api.block_codec.CODECS`.
         block_size: the codec's block size.
+        keep_previous: with error feedback, keep a copy of the residuals from before each call, so that
+            :meth:`rollback` can undo a call whose result was not finite (one more float32 copy of the tensor and
+            of the chunk; ByteGrad's gradients need it, DiLoCo's outer gradients do not).
 
     The wire buffers are allocated at the first call that communicates, on its tensor's device; the residuals at
     the first call with ``error_feedback=True`` (zeros) or by :meth:`load_state_dict`.
@@ -80,11 +83,13 @@ class BlockWorkspace:
         "numel", "nranks", "codec", "block_size", "chunk", "slot",
         # wire buffers: n slots of `slot` bytes each (recv is reused as the all-gather output)
         "send", "recv", "mine",
-        # error feedback: this rank's residual (numel) and, as the owner of its chunk, the server residual (chunk)
-        "residual", "server_residual",
+        # error feedback: this rank's residual (numel) and, as the owner of its chunk, the server residual (chunk);
+        # with keep_previous, both as they were before the last call
+        "residual", "server_residual", "keep_previous", "previous",
     )
 
-    def __init__(self, numel: int, nranks: int, codec: str, block_size: int = DEFAULT_BLOCK) -> None:
+    def __init__(self, numel: int, nranks: int, codec: str, block_size: int = DEFAULT_BLOCK,
+                 keep_previous: bool = False) -> None:
         if numel < 0 or nranks < 1:
             raise ValueError(f"BlockWorkspace needs numel >= 0 and nranks >= 1, got {numel} and {nranks}")
         self.numel, self.nranks, self.codec, self.block_size = numel, nranks, codec, block_size
@@ -93,6 +98,22 @@ class BlockWorkspace:
         self.slot = -(-wire_numel(self.chunk, codec, block_size) // 8) * 8
         self.send = self.recv = self.mine = None
         self.residual = self.server_residual = None
+        self.keep_previous, self.previous = keep_previous, None
+
+    def rollback(self) -> None:
+        """Give the residuals back their values from before the last call (a step that was not finite).
+
+        Only with ``keep_previous=True``; a no-op before the first call and without error feedback.
+        """
+        if self.previous is not None and self.residual is not None:
+            self.residual.copy_(self.previous[0])
+            self.server_residual.copy_(self.previous[1])
+
+    def scale_residuals(self, factor: float) -> None:
+        """Multiply the residuals by ``factor`` (the gradients' scale changed: ``new_scale / old_scale``)."""
+        if self.residual is not None:
+            self.residual.mul_(factor)
+            self.server_residual.mul_(factor)
 
     def bounds(self, j: int) -> tuple[int, int]:
         """The element range ``[a, b)`` of chunk ``j``."""
@@ -122,6 +143,7 @@ class BlockWorkspace:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Restore the residuals of :meth:`state_dict` (an empty dict clears them)."""
+        self.previous = None
         if not state:
             self.residual = self.server_residual = None
             return
@@ -145,6 +167,11 @@ class BlockWorkspace:
             self.server_residual = torch.zeros(self.chunk, dtype=torch.float32, device=device)
         elif self.residual is not None and self.residual.device != device:
             self.residual, self.server_residual = self.residual.to(device), self.server_residual.to(device)
+        if error_feedback and self.keep_previous:
+            if self.previous is None or self.previous[0].device != device:
+                self.previous = (torch.empty_like(self.residual), torch.empty_like(self.server_residual))
+            self.previous[0].copy_(self.residual)
+            self.previous[1].copy_(self.server_residual)
 
 
 def _post_receives_first(group) -> bool:
@@ -173,7 +200,8 @@ def block_allreduce_inplace(
         block_size: the codec's block size.
         average: divide the sum by the number of ranks.
         workspace: the workspace of an earlier call on this tensor (buffers and residuals); a new one otherwise.
-        error_feedback: add the residuals of the previous calls before quantizing, and keep the new ones.
+        error_feedback: add the residuals of the previous calls before quantizing, and keep the new ones (and,
+            with the workspace's ``keep_previous``, the old ones for :meth:`BlockWorkspace.rollback`).
         tag: the point-to-point tag of step 2 (calls in flight at the same time on one group need different tags).
 
     Returns:

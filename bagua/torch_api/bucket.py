@@ -295,7 +295,7 @@ class BaguaBucket:
         if compression is None:
             return self.append_op(centralized_full_precision_op(group, hierarchical, average, scattergather))
         if compression == "MinMaxUInt8":
-            from bagua.torch_api.compressed_allreduce import centralized_low_precision_op  # imports this module
+            from bagua.torch_api.compressed_bucket_op import centralized_low_precision_op  # imports this module
 
             return self.append_op(centralized_low_precision_op(group, hierarchical, average))
         raise ValueError(f"unknown compression {compression!r}; available: None, 'MinMaxUInt8'")

@@ -14,6 +14,9 @@ splits into ``n`` equal chunks):
 
 Every element is quantized twice, and every rank ends with the same bytes. Error feedback: see
 :mod:`bagua.torch_api.algorithms.bytegrad`.
+:func:`~bagua.torch_api.compressed_bucket_op.centralized_low_precision_op`, the bucket operation, runs this
+collective (``codec="chunk"``) or the block-wise one of :mod:`bagua.torch_api.block_allreduce` (``"uint8"``,
+``"uint4"``).
 
 Example:
     >>> c = bagua.communication._get_default_group().get_global_communicator()  # doctest: +SKIP
@@ -28,8 +31,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api import hierarchy
-from bagua.torch_api.bucket import BaguaBucket, BucketOp
+from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.compression import (
     HEADER_BYTES,
     ChunkParams,
@@ -49,10 +51,10 @@ __all__ = [
     "SEGMENT",
     "Workspace",
     "low_precision_allreduce_inplace",
-    "centralized_low_precision_op",
     "bucket_tag",
     "all_finite",
 ]
+
 
 #: Elements of a chunk sent per collective; larger chunks are sent in several pipelined segments.
 SEGMENT = 1 << 18
@@ -103,6 +105,12 @@ class Workspace:
         if self.previous is not None:
             self.residual.copy_(self.previous[0])
             self.server_residual.copy_(self.previous[1])
+
+    def scale_residuals(self, factor: float) -> None:
+        """Multiply the residuals by ``factor`` (the gradients' scale changed: ``new_scale / old_scale``)."""
+        if self.residual is not None:
+            self.residual.mul_(factor)
+            self.server_residual.mul_(factor)
 
     def _new_staging(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(self.nranks * self.length, dtype=torch.float32, device=device)
@@ -263,109 +271,6 @@ def bucket_tag(bucket: BaguaBucket, group: Optional[BaguaProcessGroup] = None) -
     everywhere): the group's name (an engine's private group is named after the engine) and the bucket's."""
     key = f"{group.group_name if group is not None else ''}/{bucket.name}"
     return zlib.crc32(key.encode()) & 0x7FFFFFFF
-
-
-def centralized_low_precision_op(
-    group: BaguaProcessGroup,
-    hierarchical: bool = False,
-    average: bool = True,
-    error_feedback: bool = False,
-    on_finite: Optional[Callable[[str, bool], None]] = None,
-) -> BucketOp:
-    """Return the bucket operation ``op(bucket, flat)`` of ByteGrad (and of QAdam's compressed stage).
-
-    Flat: :func:`low_precision_allreduce_inplace` over the group. Hierarchical (when the group spans several
-    nodes of several ranks): float32 reduce to each node's leader, the compressed allreduce among the leaders,
-    broadcast inside each node. The buffers (and error-feedback residuals) of each bucket live in this op and
-    are reused every step.
-
-    Args:
-        group: the process group.
-        hierarchical: communicate hierarchically when the group's layout allows it.
-        average: average (True) or sum (False).
-        error_feedback: carry each rank's quantization error to the next step (see the module docstring).
-        on_finite: called as ``on_finite(bucket.name, finite)`` after each run, ``finite`` telling whether the
-            bucket's result holds only finite values (read from the 8-bit headers where possible, see
-            :meth:`~bagua.torch_api.compression.ChunkParams.decodes_finite`).
-
-    Example:
-        >>> bucket.append_op(centralized_low_precision_op(group, hierarchical=False))  # doctest: +SKIP
-    """
-    workspaces: dict[tuple, Workspace] = {}
-
-    def workspace_for(bucket: BaguaBucket, flat: torch.Tensor, c: BaguaCommunicator) -> Workspace:
-        key = (bucket.name, flat.numel(), flat.dtype, flat.device, tuple(c.ranks))
-        ws = workspaces.get(key)
-        if ws is None:
-            # a bucket rebuilt with another size: its old buffers (and residuals) cannot be reused
-            for stale in [k for k in workspaces if k[0] == bucket.name]:
-                del workspaces[stale]
-            ws = workspaces[key] = Workspace(flat.numel(), c.nranks(), flat.device, error_feedback=error_feedback)
-            _load_residuals(ws)
-        return ws
-
-    def low_precision_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
-        verdict: list[Optional[bool]] = [None]
-        tag = bucket_tag(bucket, group)
-        flat_mode = not hierarchy.is_hierarchical(group, hierarchical)
-        if not flat_mode or not group.get_global_communicator().is_member() or group.size() == 1:
-            bucket.materialize_pending()  # only the flat exchange reads fresh gradients in place
-
-        def exchange(t: torch.Tensor, c: BaguaCommunicator) -> None:
-            ws = workspace_for(bucket, t, c)
-            # gradients not yet copied into the bucket are read where they are (no copy of the bucket)
-            direct = flat_mode and bucket.has_pending() and ws.staging is None and ws.residual is None
-            if not direct:
-                bucket.materialize_pending()
-            verdict[0] = low_precision_allreduce_inplace(
-                t, c, average, ws, source=bucket.pieces if direct else None, tag=tag
-            )
-
-        hierarchy.run_hierarchically(group, hierarchical, flat, exchange, average)
-        # hierarchically only the leaders see the 8-bit headers: every rank then checks the broadcast result
-        finite = verdict[0] if flat_mode else None
-        if bucket.padding:
-            flat[bucket.numel :].zero_()  # the padding takes part in min/max: keep it zero, as in the maths
-        if on_finite is not None:
-            on_finite(bucket.name, all_finite(flat) if finite is None else finite)
-
-    loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint, for workspaces not yet built
-
-    def rollback() -> None:
-        for ws in workspaces.values():
-            ws.rollback()
-
-    def state_dict() -> dict[str, torch.Tensor]:
-        """This rank's error-feedback residuals (``residual``, ``server_residual``); empty without them."""
-        state = dict(loaded)
-        for ws in workspaces.values():
-            if ws.residual is not None:
-                state = {"residual": ws.residual.clone(), "server_residual": ws.server_residual.clone()}
-        return state
-
-    def load_state_dict(state: dict[str, torch.Tensor]) -> None:
-        loaded.clear()
-        loaded.update(state)
-        for ws in workspaces.values():
-            _load_residuals(ws)
-
-    def _load_residuals(ws: Workspace) -> None:
-        if ws.residual is None or not loaded:
-            return
-        if loaded["residual"].shape != ws.residual.shape:
-            raise ValueError(f"error-feedback residuals of shape {tuple(loaded['residual'].shape)} cannot be "
-                             f"loaded into a bucket of shape {tuple(ws.residual.shape)}; the checkpoint was saved "
-                             "with other buckets or another number of ranks")
-        ws.residual.copy_(loaded["residual"])
-        ws.server_residual.copy_(loaded["server_residual"])
-        loaded.clear()
-
-    low_precision_op.reset = workspaces.clear  # type: ignore[attr-defined]  (drops buffers and residuals)
-    low_precision_op.rollback = rollback  # type: ignore[attr-defined]  (residuals as before the last call)
-    low_precision_op.state_dict = state_dict  # type: ignore[attr-defined]
-    low_precision_op.load_state_dict = load_state_dict  # type: ignore[attr-defined]
-    low_precision_op.accepts_pending = True  # type: ignore[attr-defined]  (see BaguaBucket.defer_restore)
-    return low_precision_op
 
 
 def all_finite(t: torch.Tensor) -> bool:

@@ -95,19 +95,20 @@ def test_algorithm_needs_a_qadam_optimizer():
 WARMUP, STEPS, LR, WD, BETAS, EPS = 3, 8, 0.01, 0.01, (0.9, 0.999), 1e-8
 
 
-def _worker_parity(rank, world_size, hierarchical):
+def _worker_parity(rank, world_size, hierarchical, codec="chunk"):
     from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+    from tests.torch_api.test_bytegrad_codecs import RefBlockByteGrad
 
     torch.manual_seed(0)
     model = Net()
     ref_model = copy.deepcopy(model)
     opt = QAdamOptimizer(model.parameters(), lr=LR, warmup_steps=WARMUP, betas=BETAS, eps=EPS, weight_decay=WD)
-    model.with_bagua([opt], QAdamAlgorithm(opt, hierarchical=hierarchical))
+    model.with_bagua([opt], QAdamAlgorithm(opt, hierarchical=hierarchical, codec=codec, block_size=64))
 
     names = [n for n, _ in reversed(list(ref_model.named_parameters()))]  # one bucket, reverse order
     params = dict(model.named_parameters())
     ref_params = dict(ref_model.named_parameters())
-    bytegrad = _RefByteGrad(error_feedback=False)
+    bytegrad = _RefByteGrad(error_feedback=False) if codec == "chunk" else RefBlockByteGrad(codec, 64, False)
     history, compressing = [], []
     b1, b2 = BETAS
     for t in range(1, STEPS + 1):
@@ -139,7 +140,7 @@ def _worker_parity(rank, world_size, hierarchical):
                 local = torch.cat(
                     [m[n].lerp(ref_params[n].grad.add(ref_params[n], alpha=WD), 1 - b1).reshape(-1) for n in names]
                 )
-                flats = _all_gather(_padded(local, world_size))
+                flats = _all_gather(_padded(local, world_size if codec == "chunk" else 1))  # block codecs: unpadded
                 if hierarchical:  # two nodes of two ranks: float32 average inside each node first
                     flats = [(flats[0] + flats[1]) / 2, (flats[2] + flats[3]) / 2]
                 avg = bytegrad(t, flats)
@@ -161,9 +162,9 @@ def _worker_parity(rank, world_size, hierarchical):
     return history, compressing, len(model.bagua_buckets)
 
 
-@pytest.mark.parametrize("world_size,hierarchical", [(2, False), (4, True)])
-def test_compressed_stage_matches_plain_reference(world_size, hierarchical):
-    results = run_workers(_worker_parity, world_size, hierarchical, local_size=2 if hierarchical else None)
+@pytest.mark.parametrize("world_size,hierarchical,codec", [(2, False, "chunk"), (4, True, "chunk"), (2, False, "uint8")])
+def test_compressed_stage_matches_plain_reference(world_size, hierarchical, codec):
+    results = run_workers(_worker_parity, world_size, hierarchical, codec, local_size=2 if hierarchical else None)
     for history, compressing, n_buckets in results:
         assert n_buckets == 1
         assert compressing == [t > WARMUP for t in range(1, STEPS + 1)]

@@ -1,7 +1,8 @@
 """ByteGrad: gradients averaged in 8 bits, MinMaxUInt8 around a scatter-reduce-gather allreduce.
 
-Bagua paper: https://arxiv.org/abs/2107.01499. With ``n`` ranks in the communicator, rank ``r`` does, per bucket
-(the bucket is padded with zeros to a multiple of the group size, so it splits into ``n`` equal chunks):
+Bagua paper: https://arxiv.org/abs/2107.01499. With ``n`` ranks in the communicator and the default
+``codec="chunk"``, rank ``r`` does, per bucket (the bucket is padded with zeros to a multiple of the group size, so
+it splits into ``n`` equal chunks):
 
 1. split the flat bucket into ``n`` chunks and encode each with its own min/max
    (:mod:`bagua.torch_api.compression`);
@@ -27,6 +28,20 @@ each chunk owner keeps ``s`` (one per element of its chunk); with ``Q`` the enco
 
 so no part of a gradient is lost for good: what quantization drops in one step is sent in the next ones.
 
+Codecs (``codec=``): ``"chunk"`` is the above, one min/max per rank chunk (the original's code, kept bit for bit).
+``"uint8"`` and ``"uint4"`` take one min/max per block of ``block_size`` consecutive elements of the bucket
+(:mod:`bagua.torch_api.block_codec`, 8 or 4 bits per value, 8 header bytes per block), with the same
+scatter-reduce-gather and error feedback (:mod:`bagua.torch_api.block_allreduce`): chunks are whole blocks and
+the bucket is not padded. Per element, one quantization errs by at most
+:func:`~bagua.torch_api.block_codec.error_bound` ``= r / (2 L) + 2**-19 M`` (``r``, ``M``: the range and largest
+magnitude of its block; ``L = 255`` or ``15``), so a small tensor keeps its own resolution instead of that of the
+largest tensor of its chunk.
+
+Mixed precision: the residuals are in the units of the gradients the engine sees, which ``torch.amp.GradScaler``
+scales. Pass the scaler (``grad_scaler=``) and, when its scale changes (an overflow halves it, a growth interval
+doubles it), the residuals are multiplied by ``new_scale / old_scale`` before the step's exchange. Without it
+the residual carried across a change is applied at the wrong scale once (e.g. twice its weight after a halving).
+
 Example:
     >>> from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
     >>> model = model.with_bagua([optimizer], ByteGradAlgorithm(error_feedback=True))  # doctest: +SKIP
@@ -34,6 +49,7 @@ Example:
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -46,18 +62,20 @@ from bagua.torch_api.algorithms.nonfinite import (
     FiniteVerdicts,
     check_finite_after_communication,
 )
+from bagua.torch_api.block_codec import DEFAULT_BLOCK
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.compressed_allreduce import (  # noqa: F401  (the collective's names, as the original had them here)
     SEGMENT,
     Workspace,
     all_finite,
-    centralized_low_precision_op,
     low_precision_allreduce_inplace,
 )
+from bagua.torch_api.compressed_bucket_op import CODECS, centralized_low_precision_op, check_codec
 from bagua.torch_api.process_group import BaguaProcessGroup
 
 __all__ = [
     "SEGMENT",
+    "CODECS",
     "ByteGradAlgorithm",
     "ByteGradAlgorithmImpl",
     "Workspace",
@@ -78,14 +96,34 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         average: bool = True,
         error_feedback: bool = False,
         nonfinite: str = "propagate",
+        codec: str = "chunk",
+        block_size: int = DEFAULT_BLOCK,
+        grad_scaler: Optional[Any] = None,
     ) -> None:
         super().__init__(process_group)
+        # user settings
         self.hierarchical = hierarchical
         self.average = average
         self.error_feedback = error_feedback
         self.nonfinite = nonfinite
+        self.codec = codec
+        self.block_size = block_size
+        self.grad_scaler = grad_scaler
+        # internal state
         self._verdicts = FiniteVerdicts()
         self._ops: dict[str, Any] = {}  # bucket name -> its operation (which holds the residuals)
+        self._scale: Optional[float] = None  # the scaler's scale for this step's gradients
+
+    def init_forward_pre_hook(self, bagua_ddp):
+        if self.grad_scaler is None or not self.error_feedback:
+            return super().init_forward_pre_hook(bagua_ddp)
+
+        def hook(inputs) -> None:
+            # read on the training thread, where GradScaler.update() wrote it (a device sync on CUDA, once a step);
+            # the bucket operations may run on the communication thread
+            self._scale = float(self.grad_scaler.get_scale())
+
+        return hook
 
     def init_post_backward_hook(self, bagua_ddp):
         def hook() -> None:
@@ -96,8 +134,8 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         return hook
 
     def tensors_to_buckets(self, tensors, do_flatten: bool) -> list[BaguaBucket]:
-        # padded to the group size so that every bucket splits into one equal chunk per rank
-        alignment = self.process_group.get_global_communicator().nranks()
+        # the chunk codec: padded to the group size so that every bucket splits into one equal chunk per rank
+        alignment = self.process_group.get_global_communicator().nranks() if self.codec == "chunk" else 1
         return [
             BaguaBucket(group, name=str(i), flatten=do_flatten, alignment=alignment) for i, group in enumerate(tensors)
         ]
@@ -110,6 +148,9 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
             self.average,
             error_feedback=self.error_feedback,
             on_finite=None if self.nonfinite == "ignore" else self._verdicts.record,
+            codec=self.codec,
+            block_size=self.block_size,
+            grad_scale=None if self.grad_scaler is None else (lambda: self._scale),
         )
         self._ops[bucket.name] = op
         bucket.append_op(op)
@@ -146,21 +187,40 @@ class ByteGradAlgorithm(Algorithm):
             plain optimizer skips the step; not for GradScaler, which needs the non-finite values to see the
             overflow) or ``"ignore"`` (nothing, residuals included). Except with ``"ignore"``, the error-feedback
             residuals keep their values from before that step.
+        codec: ``"chunk"`` (the default: one min/max per rank chunk, the original's code), ``"uint8"`` (one min/max
+            per block of ``block_size`` elements: every tensor keeps its resolution, for 8 bytes per block more) or
+            ``"uint4"`` (block-wise, 4 bits per value: half the bytes of ``"uint8"``, for very slow links; coarser,
+            pair it with ``error_feedback=True``). See the module docstring for the bounds.
+        block_size: elements per block of ``"uint8"``/``"uint4"`` (even; default
+            :data:`~bagua.torch_api.block_codec.DEFAULT_BLOCK`).
+        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, with error feedback: the residuals follow its
+            scale changes (module docstring). Not needed otherwise.
 
     Example:
         >>> from bagua.torch_api.algorithms import bytegrad
         >>> model = model.with_bagua([optimizer], bytegrad.ByteGradAlgorithm())  # doctest: +SKIP
+        >>> algorithm = bytegrad.ByteGradAlgorithm(codec="uint8", error_feedback=True)
     """
 
     hierarchical: bool = True
     average: bool = True
     error_feedback: bool = False
     nonfinite: str = "propagate"
+    codec: str = "chunk"
+    block_size: int = DEFAULT_BLOCK
+    grad_scaler: Optional[Any] = None
 
     def __post_init__(self) -> None:
         for name in ("hierarchical", "average", "error_feedback"):
             check_bool("ByteGradAlgorithm", name, getattr(self, name))
         check_choice("ByteGradAlgorithm", "nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_codec("ByteGradAlgorithm", self.codec, self.block_size)
+        if self.grad_scaler is not None and not callable(getattr(self.grad_scaler, "get_scale", None)):
+            raise ValueError(f"ByteGradAlgorithm(grad_scaler=...) must be a torch.amp.GradScaler (something with "
+                             f"get_scale()), got {type(self.grad_scaler).__name__}")
+        if self.grad_scaler is not None and not self.error_feedback:
+            warnings.warn("ByteGradAlgorithm(grad_scaler=...) only rescales error-feedback residuals; without "
+                          "error_feedback=True it does nothing (GradScaler works without it)", stacklevel=3)
 
     def reify(self, process_group: BaguaProcessGroup) -> ByteGradAlgorithmImpl:
         return ByteGradAlgorithmImpl(
@@ -169,4 +229,7 @@ class ByteGradAlgorithm(Algorithm):
             average=self.average,
             error_feedback=self.error_feedback,
             nonfinite=self.nonfinite,
+            codec=self.codec,
+            block_size=self.block_size,
+            grad_scaler=self.grad_scaler,
         )

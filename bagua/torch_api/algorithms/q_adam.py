@@ -59,8 +59,9 @@ from bagua.torch_api.algorithms.nonfinite import (
     agree_on_finite_gradients,
     check_finite_after_communication,
 )
+from bagua.torch_api.block_codec import DEFAULT_BLOCK
 from bagua.torch_api.bucket import BaguaBucket
-from bagua.torch_api.compressed_allreduce import centralized_low_precision_op
+from bagua.torch_api.compressed_bucket_op import centralized_low_precision_op, check_codec
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
@@ -180,13 +181,20 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
     """QAdam bound to a group; see :class:`QAdamAlgorithm`."""
 
     def __init__(
-        self, process_group: BaguaProcessGroup, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True
+        self,
+        process_group: BaguaProcessGroup,
+        q_adam_optimizer: QAdamOptimizer,
+        hierarchical: bool = True,
+        codec: str = "chunk",
+        block_size: int = DEFAULT_BLOCK,
     ) -> None:
         super().__init__(process_group)
         # user settings
         self.optimizer = q_adam_optimizer
         self.warmup_steps = q_adam_optimizer.warmup_steps
         self.hierarchical = hierarchical
+        self.codec = codec
+        self.block_size = block_size
         # internal state: the stage the tensors and buckets were built for
         self.compressing = False
         self._group_of: dict[int, dict] = {
@@ -260,7 +268,8 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
         # the 8-bit average of the momenta; its verdict on NaN/Inf comes from the chunks' headers, on the comm thread
         bucket.append_op(
             centralized_low_precision_op(
-                self.process_group, self.hierarchical, average=True, on_finite=self._verdicts.record
+                self.process_group, self.hierarchical, average=True, on_finite=self._verdicts.record,
+                codec=self.codec, block_size=self.block_size,
             )
         )
 
@@ -289,8 +298,9 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
         self.optimizer.state[p]["exp_avg"] = t
 
     def tensors_to_buckets(self, tensors, do_flatten: bool) -> list[BaguaBucket]:
-        # after warmup: padded to the group size, one equal chunk per rank for the compressed allreduce
-        alignment = self.process_group.get_global_communicator().nranks() if self.compressing else 1
+        # after warmup, with the chunk codec: padded to the group size, one equal chunk per rank
+        chunked = self.compressing and self.codec == "chunk"
+        alignment = self.process_group.get_global_communicator().nranks() if chunked else 1
         return [
             BaguaBucket(group, name=str(i), flatten=do_flatten, alignment=alignment) for i, group in enumerate(tensors)
         ]
@@ -318,6 +328,12 @@ class QAdamAlgorithm(Algorithm):
         q_adam_optimizer: the :class:`QAdamOptimizer` stepping the model (it holds the warmup length).
         hierarchical: after the warmup, average inside each node in float32 and compress only among node
             leaders.
+        codec: the code of the momenta, as ``ByteGradAlgorithm(codec=...)``: ``"chunk"`` (the default: one
+            min/max per rank chunk), ``"uint8"`` (one min/max per block of ``block_size`` elements, so that small
+            tensors keep their resolution) or ``"uint4"``.
+            The momenta are unscaled (they are updated after ``GradScaler.unscale_``), and QAdam keeps no
+            error-feedback residuals: no scaler needed.
+        block_size: elements per block of ``"uint8"``/``"uint4"`` (even).
 
     Example:
         >>> optimizer = QAdamOptimizer(model.parameters(), warmup_steps=100)  # doctest: +SKIP
@@ -326,6 +342,8 @@ class QAdamAlgorithm(Algorithm):
 
     q_adam_optimizer: QAdamOptimizer
     hierarchical: bool = True
+    codec: str = "chunk"
+    block_size: int = DEFAULT_BLOCK
 
     def __post_init__(self) -> None:
         if not isinstance(self.q_adam_optimizer, QAdamOptimizer):
@@ -334,6 +352,8 @@ class QAdamAlgorithm(Algorithm):
                 "create it with bagua.torch_api.algorithms.q_adam.QAdamOptimizer(model.parameters(), ...)"
             )
         check_bool("QAdamAlgorithm", "hierarchical", self.hierarchical)
+        check_codec("QAdamAlgorithm", self.codec, self.block_size)
 
     def reify(self, process_group: BaguaProcessGroup) -> QAdamAlgorithmImpl:
-        return QAdamAlgorithmImpl(process_group, self.q_adam_optimizer, hierarchical=self.hierarchical)
+        return QAdamAlgorithmImpl(process_group, self.q_adam_optimizer, hierarchical=self.hierarchical,
+                                  codec=self.codec, block_size=self.block_size)

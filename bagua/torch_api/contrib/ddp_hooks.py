@@ -6,7 +6,8 @@ prepared model) and Lightning (``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=.
 only) pass them through. A snippet per framework: ``docs/integrations.md``.
 
 ByteGrad = MinMaxUInt8 around a scatter-reduce-gather allreduce
-(:func:`~bagua.torch_api.compressed_allreduce.low_precision_allreduce_inplace`, Bagua paper:
+(:func:`~bagua.torch_api.compressed_allreduce.low_precision_allreduce_inplace`, or with ``codec="uint8"``/``"uint4"``
+one min/max per block, :func:`~bagua.torch_api.block_allreduce.block_allreduce_inplace`; Bagua paper:
 https://arxiv.org/abs/2107.01499): the maths of :class:`~bagua.torch_api.algorithms.bytegrad.ByteGradAlgorithm`
 (flat, averaged), applied to DDP's buckets. For each bucket:
 
@@ -41,13 +42,16 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.algorithms._checks import check_bool, check_choice
-from bagua.torch_api.compressed_allreduce import SEGMENT, Workspace, low_precision_allreduce_inplace
+from bagua.torch_api.algorithms._checks import check_bool
+from bagua.torch_api.block_allreduce import BlockWorkspace, block_allreduce_inplace
+from bagua.torch_api.block_codec import DEFAULT_BLOCK, wire_numel
+from bagua.torch_api.compressed_allreduce import SEGMENT, Workspace, all_finite, low_precision_allreduce_inplace
+from bagua.torch_api.compressed_bucket_op import check_codec
 from bagua.torch_api.compression import HEADER_BYTES
 from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.data_parallel._comm_plane import CommJob, CommWorker
@@ -57,8 +61,9 @@ __all__ = ["CODECS", "ByteGradState", "bytegrad_hook", "LocalState", "local_hook
 
 logger = logging.getLogger(__name__)
 
-#: Codecs of :class:`ByteGradState`: ``"minmax_uint8"``, ByteGrad's (8 bits per value, a min/max per rank chunk).
-CODECS = ("minmax_uint8",)
+#: Codecs of :class:`ByteGradState`, as ``ByteGradAlgorithm(codec=...)``: ``"chunk"`` (8 bits per value, a min/max
+#: per rank chunk; ``"minmax_uint8"`` is its former name here), ``"uint8"`` and ``"uint4"`` (a min/max per block).
+CODECS = ("chunk", "uint8", "uint4")
 
 
 class ByteGradState:
@@ -76,7 +81,12 @@ class ByteGradState:
             (and the chunk owners' error of the second quantization likewise; EF-SGD,
             https://arxiv.org/abs/1901.09847); costs a float32 copy of the gradients. DDP rebuilds its buckets once,
             after the first iteration: the residuals restart then.
-        codec: ``"minmax_uint8"`` (ByteGrad's).
+        codec: ``"chunk"`` (the default: ByteGrad's original code, one min/max per rank chunk; ``"minmax_uint8"``
+            is accepted as its former name), ``"uint8"`` (one min/max per block of ``block_size`` elements) or
+            ``"uint4"`` (block-wise, 4 bits per value); see :mod:`~bagua.torch_api.algorithms.bytegrad`.
+        block_size: elements per block of ``"uint8"``/``"uint4"`` (even).
+        grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, with error feedback: when its scale changes the
+            residuals (kept in units of scaled gradients) are multiplied by ``new_scale / old_scale``.
 
     Attributes (stats, read them at any time): ``iter`` (backward passes that communicated), ``buckets`` (buckets
     averaged), ``bytes_sent`` (bytes this rank sent), ``nonfinite_buckets`` (buckets whose result held NaN/Inf).
@@ -88,20 +98,24 @@ class ByteGradState:
 
     __slots__ = (
         # user hyper-parameters
-        "process_group", "error_feedback", "codec",
+        "process_group", "error_feedback", "codec", "block_size", "grad_scaler",
         # internal state
-        "ranks", "_communicator", "_worker", "_workspaces", "_layouts",
+        "ranks", "_communicator", "_worker", "_workspaces", "_layouts", "_scale", "_residual_scales",
         # stats
         "iter", "buckets", "bytes_sent", "nonfinite_buckets",
         "__weakref__",
     )
 
-    def __init__(self, process_group: Any = None, error_feedback: bool = False, codec: str = "minmax_uint8") -> None:
+    def __init__(self, process_group: Any = None, error_feedback: bool = False, codec: str = "chunk",
+                 block_size: int = DEFAULT_BLOCK, grad_scaler: Any = None) -> None:
         check_bool("ByteGradState", "error_feedback", error_feedback)
-        check_choice("ByteGradState", "codec", codec, CODECS)
+        codec = "chunk" if codec == "minmax_uint8" else codec
+        check_codec("ByteGradState", codec, block_size)
         self.process_group = process_group
         self.error_feedback = error_feedback
         self.codec = codec
+        self.block_size = block_size
+        self.grad_scaler = grad_scaler
         self.ranks: Optional[list[int]] = None
         self._communicator: Optional[BaguaCommunicator] = None
         if process_group is not None or dist.is_initialized():
@@ -109,8 +123,10 @@ class ByteGradState:
         # else: built before torch.distributed (Lightning builds a strategy's arguments before its processes
         # rendezvous): the group is created at the first bucket, which every rank's DDP hands over first
         self._worker: Optional[CommWorker] = None  # started at the first bucket, when its device is known
-        self._workspaces: dict[int, Workspace] = {}  # bucket index -> buffers (and residuals)
+        self._workspaces: dict[int, Union[Workspace, BlockWorkspace]] = {}  # bucket index -> buffers, residuals
         self._layouts: dict[int, tuple[int, ...]] = {}  # bucket index -> its parameters (error feedback only)
+        self._scale: Optional[float] = None  # the scaler's scale in this backward (read at its first bucket)
+        self._residual_scales: dict[int, float] = {}  # bucket index -> the scale its residuals are in units of
         self.iter = 0
         self.buckets = 0
         self.bytes_sent = 0
@@ -130,21 +146,39 @@ class ByteGradState:
         index = bucket.index()
         # which parameters the bucket holds matters only to residuals, which are per element
         layout = tuple(id(p) for p in bucket.parameters()) if self.error_feedback else ()
+        if self.grad_scaler is not None and self.error_feedback and self._scale is None:
+            self._scale = float(self.grad_scaler.get_scale())  # on the backward's thread, at its first bucket
+        scale = self._scale
         if bucket.is_last():
             self.iter += 1
+            self._scale = None  # read again in the next backward (GradScaler.update() may change it)
         future: torch.futures.Future = torch.futures.Future(devices=[flat.device] if flat.is_cuda else None)
         if self._worker is None:
             stream = torch.cuda.Stream() if flat.is_cuda else None
             self._worker = CommWorker(f"bagua-bytegrad-hook-{id(self):x}", stream)
-        CommJob(self._worker, lambda: self._average(index, flat, layout, future),
+        CommJob(self._worker, lambda: self._average(index, flat, layout, future, scale),
                 f"ByteGrad hook, bucket {index}", cuda=flat.is_cuda)
         return future
 
-    def _average(self, index: int, flat: torch.Tensor, layout: tuple[int, ...], future: torch.futures.Future) -> None:
+    def _average(self, index: int, flat: torch.Tensor, layout: tuple[int, ...], future: torch.futures.Future,
+                 scale: Optional[float] = None) -> None:
         """Average ``flat`` in 8 bits and complete ``future`` with it (runs on the communication thread)."""
         try:
             ws = self._workspace(index, flat, layout)
-            finite = low_precision_allreduce_inplace(flat, self._communicator, True, ws, tag=index)
+            old = self._residual_scales.get(index)
+            if scale is not None and old is not None and scale != old:
+                ws.scale_residuals(scale / old)  # the residuals follow the gradients' units
+            if scale is not None:
+                self._residual_scales[index] = scale
+            if isinstance(ws, BlockWorkspace):
+                x = flat if flat.dtype == torch.float32 else flat.float()
+                block_allreduce_inplace(x, self._communicator, self.codec, self.block_size, True, ws,
+                                        self.error_feedback, tag=index)
+                if x is not flat:
+                    flat.copy_(x)
+                finite = all_finite(flat)  # identical bytes on every rank: the same verdict everywhere
+            else:
+                finite = low_precision_allreduce_inplace(flat, self._communicator, True, ws, tag=index)
             if finite is False:
                 ws.rollback()  # the residuals would now hold this step's NaN: keep those of the step before
                 self.nonfinite_buckets += 1
@@ -154,15 +188,20 @@ class ByteGradState:
         except BaseException as exc:  # noqa: BLE001 - DDP raises it from its wait, on the training thread
             future.set_exception(exc)
 
-    def _workspace(self, index: int, flat: torch.Tensor, layout: tuple[int, ...]) -> Workspace:
+    def _workspace(self, index: int, flat: torch.Tensor, layout: tuple[int, ...]) -> Union[Workspace, BlockWorkspace]:
         ws = self._workspaces.get(index)
         n = self._communicator.nranks()  # type: ignore[union-attr]
-        if ws is None or ws.numel != flat.numel() or self._layouts.get(index) != layout or (
-                ws.send[0].device != flat.device):
+        if ws is None or ws.numel != flat.numel() or self._layouts.get(index) != layout or _device(ws) not in (
+                None, flat.device):
             if ws is not None and self.error_feedback:
                 logger.debug("ByteGrad hook: DDP rebuilt bucket %d; its error-feedback residuals restart", index)
-            ws = self._workspaces[index] = Workspace(flat.numel(), n, flat.device, self.error_feedback)
+            if self.codec == "chunk":
+                ws = Workspace(flat.numel(), n, flat.device, self.error_feedback)
+            else:
+                ws = BlockWorkspace(flat.numel(), n, self.codec, self.block_size, keep_previous=self.error_feedback)
+            self._workspaces[index] = ws
             self._layouts[index] = layout
+            self._residual_scales.pop(index, None)
         return ws
 
     def close(self) -> None:
@@ -183,8 +222,16 @@ class ByteGradState:
                 f"iter={self.iter}, bytes_sent={self.bytes_sent})")
 
 
-def _bytes_sent(ws: Workspace) -> int:
-    """Bytes a rank sends for one bucket: its n-1 peers' encoded chunks, then its own chunk to each of them."""
+def _device(ws: Union[Workspace, BlockWorkspace]) -> Optional[torch.device]:
+    """The device of the workspace's buffers (``None``: a block workspace before its first call)."""
+    return ws.send[0].device if isinstance(ws, Workspace) else (None if ws.send is None else ws.send.device)
+
+
+def _bytes_sent(ws: Union[Workspace, BlockWorkspace]) -> int:
+    """Bytes a rank sends for one bucket: its n-1 peers' encoded chunks, then its own chunk to each of them (for
+    the block codecs, a full chunk's bytes: the last chunks may be shorter)."""
+    if isinstance(ws, BlockWorkspace):
+        return 2 * (ws.nranks - 1) * wire_numel(ws.chunk, ws.codec, ws.block_size)
     per_chunk = ws.length + HEADER_BYTES * max(1, -(-ws.length // SEGMENT))
     return 2 * (ws.nranks - 1) * per_chunk
 
