@@ -40,6 +40,7 @@ import torch.distributed as dist
 from bagua.torch_api.block_codec import DEFAULT_BLOCK, decode, encode, wire_numel
 from bagua.torch_api.collectives import all_gather_tensor
 from bagua.torch_api.process_group import BaguaCommunicator
+from bagua.torch_api.residuals import ErrorFeedbackResiduals
 
 __all__ = ["BlockWorkspace", "block_allreduce_inplace", "chunk_length"]
 
@@ -57,7 +58,7 @@ def chunk_length(numel: int, nranks: int, block_size: int = DEFAULT_BLOCK) -> in
     return -(-numel // nranks)
 
 
-class BlockWorkspace:
+class BlockWorkspace(ErrorFeedbackResiduals):
     """The buffers of one tensor's block-wise compressed allreduce, reused every call, and its residuals.
 
     Args:
@@ -99,21 +100,6 @@ class BlockWorkspace:
         self.send = self.recv = self.mine = None
         self.residual = self.server_residual = None
         self.keep_previous, self.previous = keep_previous, None
-
-    def rollback(self) -> None:
-        """Give the residuals back their values from before the last call (a step that was not finite).
-
-        Only with ``keep_previous=True``; a no-op before the first call and without error feedback.
-        """
-        if self.previous is not None and self.residual is not None:
-            self.residual.copy_(self.previous[0])
-            self.server_residual.copy_(self.previous[1])
-
-    def scale_residuals(self, factor: float) -> None:
-        """Multiply the residuals by ``factor`` (the gradients' scale changed: ``new_scale / old_scale``)."""
-        if self.residual is not None:
-            self.residual.mul_(factor)
-            self.server_residual.mul_(factor)
 
     def bounds(self, j: int) -> tuple[int, int]:
         """The element range ``[a, b)`` of chunk ``j``."""

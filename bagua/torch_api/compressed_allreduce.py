@@ -46,6 +46,7 @@ from bagua.torch_api.compression import (
     wire_buffer,
 )
 from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.residuals import ErrorFeedbackResiduals
 
 __all__ = [
     "SEGMENT",
@@ -63,7 +64,7 @@ SEGMENT = 1 << 18
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class Workspace:
+class Workspace(ErrorFeedbackResiduals):
     """The buffers of one bucket's compressed allreduce, allocated once and reused every step.
 
     Args:
@@ -99,18 +100,6 @@ class Workspace:
         # the residuals before the last call, so that a step whose result is not finite can be undone
         self.previous = (torch.zeros_like(self.residual), torch.zeros_like(self.server_residual)) if (
             error_feedback) else None
-
-    def rollback(self) -> None:
-        """Give the residuals back their values from before the last call (a step that was not finite)."""
-        if self.previous is not None:
-            self.residual.copy_(self.previous[0])
-            self.server_residual.copy_(self.previous[1])
-
-    def scale_residuals(self, factor: float) -> None:
-        """Multiply the residuals by ``factor`` (the gradients' scale changed: ``new_scale / old_scale``)."""
-        if self.residual is not None:
-            self.residual.mul_(factor)
-            self.server_residual.mul_(factor)
 
     def _new_staging(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(self.nranks * self.length, dtype=torch.float32, device=device)
