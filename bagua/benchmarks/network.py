@@ -257,6 +257,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                                                 "get 3x DDP's steps to the target")
     p.add_argument("--seeds", type=int, default=3, help="with --to-target: seeds per convergence run (median "
                                                          "and spread are reported)")
+    p.add_argument("--qadam-warmup", type=int, default=None,
+                   help="with --to-target: QAdam's full-precision steps when the run has no DDP convergence row to "
+                        "take 20 %% of (default then: max-steps / 15)")
     p.add_argument("--budget-factor", type=float, default=3.0,
                    help="with --to-target: the other systems' step budget in DDP's steps to the target (default 3)")
     p.add_argument("--seeds-of", action="append", default=[], metavar="SYSTEM=N",

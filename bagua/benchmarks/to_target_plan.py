@@ -90,7 +90,8 @@ def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optio
             d = to_target.DEFAULTS[model]
             tt = {"target": args.targets.get(model, d.target), "eval_every": args.eval_every or d.eval_every,
                   "eval_samples": d.eval_samples if args.eval_samples is None else args.eval_samples,
-                  "max_steps": args.max_steps or d.max_steps}
+                  "max_steps": args.max_steps or d.max_steps,
+                  "qadam_warmup": getattr(args, "qadam_warmup", None)}
 
             def job(system: str, rate: Optional[int], phase: str, seed: int = 0, **kw) -> Job:
                 warmup, steps = args.steps_at.get(rate, (args.warmup, args.steps))
@@ -114,10 +115,12 @@ def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optio
 
 def with_budget(job, rows: Sequence[dict], factor: float = to_target.BUDGET_FACTOR):
     """A non-DDP to-target job with its step budget and QAdam warmup from DDP's convergence row of the same
-    model, hosts and seed."""
+    model, hosts and seed; without such a row the job keeps its own budget and QAdam warmup
+    (``--max-steps``, ``--qadam-warmup``)."""
     if job.target is None or job.system == "ddp":
         return job
     ddp = [r for r in rows if (r["model"], r["hosts"], r["system"], r.get("phase"), r.get("seed", 0)) ==
            (job.model, job.hosts, "ddp", "convergence", job.seed)]
     budget, qadam_warmup = to_target.step_budget(ddp[-1] if ddp else None, job.max_steps, factor)
-    return dataclasses.replace(job, max_steps=budget, qadam_warmup=qadam_warmup)
+    return dataclasses.replace(job, max_steps=budget, qadam_warmup=job.qadam_warmup if qadam_warmup is None
+                               else qadam_warmup)
