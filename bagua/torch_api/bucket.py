@@ -26,6 +26,7 @@ from bagua.torch_api import hierarchy
 from bagua.torch_api import multistream
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.async_ops import AsyncModelAverageOp
+from bagua.torch_api.compressed_bucket_op import centralized_low_precision_op
 from bagua.torch_api.decentralized_ops import LowPrecisionDecentralizedOp, Replicas, decentralized_op
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, as_bagua_tensor
@@ -295,8 +296,6 @@ class BaguaBucket:
         if compression is None:
             return self.append_op(centralized_full_precision_op(group, hierarchical, average, scattergather))
         if compression == "MinMaxUInt8":
-            from bagua.torch_api.compressed_bucket_op import centralized_low_precision_op  # imports this module
-
             return self.append_op(centralized_low_precision_op(group, hierarchical, average))
         raise ValueError(f"unknown compression {compression!r}; available: None, 'MinMaxUInt8'")
 

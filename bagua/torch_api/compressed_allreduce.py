@@ -26,12 +26,11 @@ Example:
 from __future__ import annotations
 
 import zlib
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.compression import (
     HEADER_BYTES,
     ChunkParams,
@@ -47,6 +46,9 @@ from bagua.torch_api.compression import (
 )
 from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.residuals import ErrorFeedbackResiduals
+
+if TYPE_CHECKING:  # bucket.py imports this module through compressed_bucket_op
+    from bagua.torch_api.bucket import BaguaBucket
 
 __all__ = [
     "SEGMENT",

@@ -20,16 +20,18 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import torch
 
 from bagua.torch_api import hierarchy
 from bagua.torch_api.block_allreduce import BlockWorkspace, block_allreduce_inplace
 from bagua.torch_api.block_codec import DEFAULT_BLOCK
-from bagua.torch_api.bucket import BaguaBucket, BucketOp
 from bagua.torch_api.compressed_allreduce import Workspace, all_finite, bucket_tag, low_precision_allreduce_inplace
 from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+
+if TYPE_CHECKING:  # bucket.py imports this module (its MinMaxUInt8 op)
+    from bagua.torch_api.bucket import BaguaBucket, BucketOp
 
 __all__ = ["CODECS", "check_codec", "centralized_low_precision_op"]
 
@@ -95,7 +97,6 @@ def centralized_low_precision_op(
     """
     check_codec("centralized_low_precision_op", codec, block_size)
     workspaces: dict[tuple, Union[Workspace, BlockWorkspace]] = {}
-    scales: list[Optional[float]] = [None]  # the scale the residuals are in units of (None: not known yet)
 
     def workspace_for(bucket: BaguaBucket, flat: torch.Tensor, c: BaguaCommunicator) -> Union[Workspace,
                                                                                              BlockWorkspace]:
@@ -113,25 +114,17 @@ def centralized_low_precision_op(
             _load_residuals(ws)
         return ws
 
-    def rescale_residuals() -> None:
-        scale = grad_scale() if grad_scale is not None and error_feedback else None
-        if scale is None:
-            return
-        if scales[0] is not None and scale != scales[0]:
-            for ws in workspaces.values():
-                ws.scale_residuals(scale / scales[0])
-        scales[0] = scale
-
     def low_precision_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
         verdict: list[Optional[bool]] = [None]
         tag = bucket_tag(bucket, group)
         flat_mode = not hierarchy.is_hierarchical(group, hierarchical)
         if codec != "chunk" or not flat_mode or not group.get_global_communicator().is_member() or group.size() == 1:
             bucket.materialize_pending()  # only the flat exchange of the chunk codec reads fresh gradients in place
-        rescale_residuals()
+        scale = grad_scale() if grad_scale is not None and error_feedback else None  # on the training thread
 
         def exchange(t: torch.Tensor, c: BaguaCommunicator) -> None:
             ws = workspace_for(bucket, t, c)
+            ws.follow_scale(scale)
             if isinstance(ws, BlockWorkspace):  # its verdict is read from the result: a block holding NaN/Inf
                 x = t if t.dtype == torch.float32 else t.float()  # decodes to NaN on every rank
                 block_allreduce_inplace(x, c, codec, block_size, average, ws, error_feedback, tag)

@@ -1,5 +1,5 @@
 """Error-feedback residuals of a compressed allreduce's workspace: undone after a step that was not finite, rescaled
-when the gradients' scale changes.
+when the gradients' scale changes (a ``GradScaler``'s ``update()``).
 
 Both workspaces (:class:`~bagua.torch_api.compressed_allreduce.Workspace`, ByteGrad's per-chunk code, and
 :class:`~bagua.torch_api.block_allreduce.BlockWorkspace`, the block codecs) keep ``residual`` (this rank's
@@ -16,18 +16,22 @@ Example:
     [0.5, 0.5]
     >>> w.rollback(); w.residual.tolist()
     [0.0, 0.0]
+    >>> _ = w.residual.fill_(1.0); w.follow_scale(1024.0); w.follow_scale(512.0); w.residual.tolist()
+    [0.5, 0.5]
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 __all__ = ["ErrorFeedbackResiduals"]
 
 
 class ErrorFeedbackResiduals:
-    """``rollback`` and ``scale_residuals`` of a workspace with ``residual``, ``server_residual`` and
-    ``previous`` attributes (see the module docstring)."""
+    """``rollback``, ``scale_residuals`` and ``follow_scale`` of a workspace with ``residual``,
+    ``server_residual`` and ``previous`` attributes (see the module docstring)."""
 
-    __slots__ = ()
+    __slots__ = ("residual_scale",)  # the gradients' scale the residuals are in units of (unset: not known yet)
 
     def rollback(self) -> None:
         """Give the residuals back their values from before the last call (a step that was not finite); a no-op
@@ -41,3 +45,14 @@ class ErrorFeedbackResiduals:
         if self.residual is not None:
             self.residual.mul_(factor)
             self.server_residual.mul_(factor)
+
+    def follow_scale(self, scale: Optional[float]) -> None:
+        """Keep the residuals in the units of this call's gradients, scaled by ``scale`` (the loss scaler's
+        ``get_scale()``, read on the training thread): multiplied by ``scale / old`` when the scale changed since
+        the last call. ``None`` (no scaler) does nothing."""
+        if scale is None:
+            return
+        old = getattr(self, "residual_scale", None)
+        if old is not None and scale != old:
+            self.scale_residuals(scale / old)
+        self.residual_scale = scale

@@ -159,20 +159,31 @@ BAD = 2
 
 
 def _worker_scaler(rank, world_size):
-    return {codec: _scaler_runs(rank, codec) for codec in ("uint8", "uint4")}  # one job: spawning costs seconds
+    runs = {codec: _scaler_runs(rank, codec) for codec in ("uint8", "uint4")}  # one job: spawning costs seconds
+    runs["hook"] = _scaler_runs(rank, "uint8", hook=True)  # the DDP comm hook's residuals follow the scale too
+    return runs
 
 
-def _scaler_runs(rank, codec):
+def _scaler_runs(rank, codec, hook=False):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
     from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+    from bagua.torch_api.contrib.ddp_hooks import ByteGradState, bytegrad_hook
 
     runs = {}
     for scaled in (True, False):
         model = make_model(rank)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         # scale 2**10, doubled every 2 good steps, halved by the overflow: the residuals change units 3 times
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2) if scaled else None
-        model = model.with_bagua([opt], ByteGradAlgorithm(hierarchical=False, error_feedback=True, codec=codec,
-                                                          block_size=64, grad_scaler=scaler))
+        if hook:
+            model = DDP(model)
+            state = ByteGradState(error_feedback=True, codec=codec, block_size=64, grad_scaler=scaler)
+            model.register_comm_hook(state, bytegrad_hook)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+            model = model.with_bagua([opt], ByteGradAlgorithm(hierarchical=False, error_feedback=True, codec=codec,
+                                                              block_size=64, grad_scaler=scaler))
         scales, skipped = [], []
         for step in range(STEPS + 1):
             if step == BAD and not scaled:
@@ -193,13 +204,15 @@ def _scaler_runs(rank, codec):
             scales.append(scaler.get_scale())
             if all(torch.equal(a, b) for a, b in zip(before, params_of(model))):
                 skipped.append(step)
+        if hook:
+            state.close()
         runs[scaled] = (params_of(model), scales, skipped)
     return runs
 
 
 def test_gradscaler_overflow_skips_everywhere_and_residuals_follow_the_scale():
     results = run_workers(_worker_scaler, 2, timeout=120)
-    for codec in ("uint8", "uint4"):
+    for codec in ("uint8", "uint4", "hook"):
         for rank, by_codec in enumerate(results):
             runs = by_codec[codec]
             weights, scales, skipped = runs[True]

@@ -118,7 +118,7 @@ def test_temp_file_of_a_killed_writer_is_removed_at_the_next_save(tmp_path):
     # a temporary file that a live process of this host is writing, and files of other hosts, young and old
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
-        from bagua.torch_api.checkpoint.checkpointing import STALE_TMP_AGE_S, _host
+        from bagua.torch_api.checkpoint.atomic import STALE_TMP_AGE_S, _host
 
         being_written = ckpt / f".tmp-{_host()}-{live.pid}-abc"
         other_young = ckpt / "iter_0000001" / ".tmp-otherhost-123-abc"
@@ -144,7 +144,7 @@ def test_temp_file_named_by_a_reused_pid_is_removed(tmp_path):
     import sys
     import time
 
-    from bagua.torch_api.checkpoint.checkpointing import _host
+    from bagua.torch_api.checkpoint.atomic import _host
 
     model, opt, _ = _setup(0)
     younger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])

@@ -68,6 +68,8 @@ def test_equals_torch_adam_during_warmup(weight_decay, groups, one_thread):
         ({"warmup_steps": 0}, "warmup_steps must be a positive integer"),
         ({"warmup_steps": -5}, "warmup_steps must be a positive integer"),
         ({"warmup_steps": 2.5}, "warmup_steps must be a positive integer"),
+        ({"warmup_steps": 0.2}, "pass total_steps"),
+        ({"warmup_steps": 10, "total_steps": 0}, "total_steps must be a positive integer"),
         ({"betas": (0.9, 1.0)}, "betas"),
         ({"lr": -1.0}, "lr"),
         ({"weight_decay": -0.1}, "weight_decay"),
@@ -78,6 +80,19 @@ def test_bad_optimizer_arguments(kwargs, match):
 
     with pytest.raises(ValueError, match=match):
         QAdamOptimizer(torch.nn.Linear(2, 2).parameters(), **kwargs)
+
+
+def test_warmup_defaults_to_a_fifth_of_a_known_run():
+    from bagua.torch_api.algorithms.q_adam import QAdamOptimizer
+
+    def warmup(**kwargs):
+        return QAdamOptimizer(torch.nn.Linear(2, 2).parameters(), **kwargs).warmup_steps
+
+    assert warmup() == 100  # the original's default when the run's length is unknown
+    assert warmup(total_steps=480) == 96
+    assert warmup(warmup_steps=0.25, total_steps=480) == 120
+    assert warmup(warmup_steps=30, total_steps=480) == 30
+    assert warmup(total_steps=2) == 1  # never zero
 
 
 def test_algorithm_needs_a_qadam_optimizer():

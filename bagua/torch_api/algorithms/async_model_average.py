@@ -40,7 +40,7 @@ from bagua.torch_api import communication as comm
 from bagua.torch_api import env
 from bagua.torch_api.algorithms._checks import check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from bagua.torch_api.algorithms.decentralized import _one_bucket_per_dtype, _weight_tensors
+from bagua.torch_api.algorithms._weights import _one_bucket_per_dtype, _weight_tensors
 from bagua.torch_api.async_ops import WeightLock, average_round, flat_like, negotiate
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.distributed import engine_of

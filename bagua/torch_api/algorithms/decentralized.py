@@ -29,7 +29,8 @@ from typing import Any, Callable, Sequence
 import torch
 
 from bagua.torch_api import hierarchy
-from bagua.torch_api.algorithms._checks import check_bool, check_choice, check_int
+from bagua.torch_api.algorithms._checks import check_choice
+from bagua.torch_api.algorithms._weights import _check_interval, _one_bucket_per_dtype, _weight_tensors
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
 from bagua.torch_api.bucket import BaguaBucket
@@ -43,7 +44,7 @@ from bagua.torch_api.decentralized_ops import (
     start_exchange,
 )
 from bagua.torch_api.process_group import BaguaProcessGroup
-from bagua.torch_api.tensor import BaguaTensor, weight_tensor
+from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = [
     "DecentralizedAlgorithm",
@@ -63,17 +64,8 @@ _copy_weights_into = copy_weights_into
 _copy_weights_from = copy_weights_from
 
 
-def _weight_tensors(bagua_ddp) -> list[BaguaTensor]:
-    """The parameters themselves (not their gradients), in reverse registration order."""
-    module_name = bagua_ddp.bagua_module_name
-    return [weight_tensor(p, name, module_name) for name, p in reversed(bagua_ddp.bagua_build_params())]
 
 
-def _one_bucket_per_dtype(tensors: Sequence[Sequence[BaguaTensor]], do_flatten: bool) -> list[BaguaBucket]:
-    by_dtype: dict[str, list[BaguaTensor]] = {}
-    for t in (t for group in tensors for t in group):
-        by_dtype.setdefault(str(t.dtype), []).append(t)
-    return [BaguaBucket(ts, name=str(i), flatten=do_flatten) for i, (_, ts) in enumerate(sorted(by_dtype.items()))]
 
 
 def _peer_count(group: BaguaProcessGroup, hierarchical: bool) -> int:
@@ -168,11 +160,7 @@ def _check_peer_mode(peer_selection_mode: str) -> None:
     check_choice("DecentralizedAlgorithm", "peer_selection_mode", peer_selection_mode, PEER_SELECTION_MODES)
 
 
-def _check_interval(
-    communication_interval: int, hierarchical: bool = True, owner: str = "DecentralizedAlgorithm"
-) -> None:
-    check_bool(owner, "hierarchical", hierarchical)
-    check_int(owner, "communication_interval", communication_interval, 1, "communicate every that many steps")
+
 
 
 @GlobalAlgorithmRegistry.register("decentralized", description="decentralized SGD: average weights with peers")

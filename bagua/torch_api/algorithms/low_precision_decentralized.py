@@ -12,7 +12,7 @@ import torch
 
 from bagua.torch_api import hierarchy
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from bagua.torch_api.algorithms.decentralized import _check_interval, _weight_tensors
+from bagua.torch_api.algorithms._weights import _check_interval, _weight_tensors
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.decentralized_ops import LowPrecisionDecentralizedOp, Replicas

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
@@ -65,9 +65,45 @@ from bagua.torch_api.compressed_bucket_op import centralized_low_precision_op, c
 from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
-__all__ = ["QAdamOptimizer", "QAdamAlgorithm", "QAdamAlgorithmImpl"]
+__all__ = ["QAdamOptimizer", "QAdamAlgorithm", "QAdamAlgorithmImpl", "resolve_warmup"]
 
 logger = logging.getLogger(__name__)
+
+
+#: QAdam's full-precision warmup when neither ``warmup_steps`` nor ``total_steps`` is given (the original's).
+DEFAULT_WARMUP_STEPS = 100
+#: The fraction of ``total_steps`` spent in the warmup by default (1-bit Adam's authors advise 15-25 %).
+DEFAULT_WARMUP_FRACTION = 0.2
+
+
+def resolve_warmup(warmup_steps: Optional[Union[int, float]], total_steps: Optional[int] = None) -> int:
+    """QAdam's warmup in steps: ``warmup_steps`` itself (a positive integer), a fraction of ``total_steps``
+    (a float in (0, 1)), or by default :data:`DEFAULT_WARMUP_FRACTION` of ``total_steps`` when it is known,
+    else :data:`DEFAULT_WARMUP_STEPS`; at least 1.
+
+    Example:
+        >>> resolve_warmup(None), resolve_warmup(None, 1000), resolve_warmup(0.25, 1000), resolve_warmup(7, 1000)
+        (100, 200, 250, 7)
+    """
+    hint = "; for Adam without compression use torch.optim.Adam with gradient_allreduce"
+    if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
+                                    or total_steps <= 0):
+        raise ValueError(f"total_steps must be a positive integer (the run's optimizer steps), got {total_steps!r}")
+    if warmup_steps is None:
+        fraction = DEFAULT_WARMUP_FRACTION if total_steps is not None else None
+    elif isinstance(warmup_steps, float) and 0.0 < warmup_steps < 1.0:
+        if total_steps is None:
+            raise ValueError(f"warmup_steps={warmup_steps} is a fraction of the run: pass total_steps=... too, "
+                             "or give warmup_steps in steps")
+        fraction = warmup_steps
+    elif isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
+        raise ValueError(f"warmup_steps must be a positive integer (the number of full-precision Adam steps) or a "
+                         f"fraction in (0, 1) of total_steps, got {warmup_steps!r}{hint}")
+    else:
+        return warmup_steps
+    if fraction is None:
+        return DEFAULT_WARMUP_STEPS
+    return max(1, round(fraction * total_steps))
 
 
 class QAdamOptimizer(torch.optim.Optimizer):
@@ -81,31 +117,36 @@ class QAdamOptimizer(torch.optim.Optimizer):
     Args:
         params: parameters or parameter groups.
         lr: learning rate.
-        warmup_steps: number of full-precision Adam steps (at least 1) before the compression stage; the
-            1-bit Adam paper suggests about 20% of the training steps (``v`` is frozen at its value after
-            them, so a short warmup gives a poor, noisy denominator).
+        warmup_steps: full-precision Adam steps before the compression stage: a positive integer, or a fraction
+            in (0, 1) of ``total_steps``. The 1-bit Adam paper advises 15-25 % of the training steps (``v`` is
+            frozen at its value after them, so a short warmup gives a poor, noisy denominator). Default: 20 % of
+            ``total_steps`` when it is given, else 100 (the original's default; for a run of ``N`` steps pick
+            about ``N // 5``, and at least a few hundred steps for a transformer).
         betas: coefficients of the running averages of the gradient and its square.
         eps: added to the denominator (as in ``torch.optim.Adam``).
         weight_decay: L2 penalty, added to the gradient.
+        total_steps: the run's length in optimizer steps, when known (keyword only).
 
     Example:
         >>> optimizer = QAdamOptimizer(torch.nn.Linear(2, 2).parameters(), lr=0.01, warmup_steps=10)
+        >>> QAdamOptimizer(torch.nn.Linear(2, 2).parameters(), total_steps=1000).warmup_steps
+        200
+        >>> QAdamOptimizer(torch.nn.Linear(2, 2).parameters(), warmup_steps=0.15, total_steps=1000).warmup_steps
+        150
     """
 
     def __init__(
         self,
         params: Iterable[Any],
         lr: float = 1e-3,
-        warmup_steps: int = 100,
+        warmup_steps: Optional[Union[int, float]] = None,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        *,
+        total_steps: Optional[int] = None,
     ) -> None:
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
-            raise ValueError(
-                f"warmup_steps must be a positive integer (the number of full-precision Adam steps), got "
-                f"{warmup_steps!r}; for Adam without compression use torch.optim.Adam with gradient_allreduce"
-            )
+        warmup_steps = resolve_warmup(warmup_steps, total_steps)
         for name, value, meaning in (("lr", lr, "the learning rate"), ("eps", eps, "added to the denominator"),
                                      ("weight_decay", weight_decay, "the L2 penalty")):
             check_number("QAdamOptimizer", name, value, 0.0, meaning)

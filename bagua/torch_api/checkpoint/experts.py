@@ -25,6 +25,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from bagua.torch_api.checkpoint.atomic import _atomic_write
+
 __all__ = ["moe_layers", "expert_checkpoint_name", "optimizer_checkpoint_name", "split_expert_state",
            "save_experts", "load_experts"]
 
@@ -97,7 +99,6 @@ def _layout(model: torch.nn.Module) -> Optional[tuple[int, int]]:
 
 def _atomic_save(obj: Any, path: str) -> None:
     """Write ``obj`` to ``path`` atomically, with the temp-file naming and clean-up of the main checkpoint file."""
-    from bagua.torch_api.checkpoint.checkpointing import _atomic_write  # checkpointing imports this module
 
     _atomic_write(path, lambda f: torch.save(obj, f))
 

@@ -100,7 +100,7 @@ class ByteGradState:
         # user hyper-parameters
         "process_group", "error_feedback", "codec", "block_size", "grad_scaler",
         # internal state
-        "ranks", "_communicator", "_worker", "_workspaces", "_layouts", "_scale", "_residual_scales",
+        "ranks", "_communicator", "_worker", "_workspaces", "_layouts", "_scale",
         # stats
         "iter", "buckets", "bytes_sent", "nonfinite_buckets",
         "__weakref__",
@@ -126,7 +126,6 @@ class ByteGradState:
         self._workspaces: dict[int, Union[Workspace, BlockWorkspace]] = {}  # bucket index -> buffers, residuals
         self._layouts: dict[int, tuple[int, ...]] = {}  # bucket index -> its parameters (error feedback only)
         self._scale: Optional[float] = None  # the scaler's scale in this backward (read at its first bucket)
-        self._residual_scales: dict[int, float] = {}  # bucket index -> the scale its residuals are in units of
         self.iter = 0
         self.buckets = 0
         self.bytes_sent = 0
@@ -165,11 +164,7 @@ class ByteGradState:
         """Average ``flat`` in 8 bits and complete ``future`` with it (runs on the communication thread)."""
         try:
             ws = self._workspace(index, flat, layout)
-            old = self._residual_scales.get(index)
-            if scale is not None and old is not None and scale != old:
-                ws.scale_residuals(scale / old)  # the residuals follow the gradients' units
-            if scale is not None:
-                self._residual_scales[index] = scale
+            ws.follow_scale(scale)  # the residuals follow the gradients' units
             if isinstance(ws, BlockWorkspace):
                 x = flat if flat.dtype == torch.float32 else flat.float()
                 block_allreduce_inplace(x, self._communicator, self.codec, self.block_size, True, ws,
@@ -201,7 +196,6 @@ class ByteGradState:
                 ws = BlockWorkspace(flat.numel(), n, self.codec, self.block_size, keep_previous=self.error_feedback)
             self._workspaces[index] = ws
             self._layouts[index] = layout
-            self._residual_scales.pop(index, None)
         return ws
 
     def close(self) -> None:
