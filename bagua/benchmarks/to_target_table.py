@@ -127,8 +127,8 @@ def combine(rows: Sequence[dict], fit: Optional[Fit] = None, gpu_steps: Optional
         bands = {r["bandwidth"]: r.get("rate_bps") for r in mine}
         systems = list(dict.fromkeys(r["system"] for r in conv + real if (r["model"], r["hosts"]) == (model, hosts)))
         for band, rate in bands.items():
-            step = {r["system"]: r for r in steps_rows if (r["model"], r["hosts"], r["bandwidth"]) ==
-                    (model, hosts, band)}
+            step = _median_rows([r for r in steps_rows if (r["model"], r["hosts"], r["bandwidth"]) ==
+                                 (model, hosts, band)])
             ddp_step = step.get("ddp", {}).get("mean_step_s")
             cells = []
             for system in systems:
@@ -157,6 +157,15 @@ def combine(rows: Sequence[dict], fit: Optional[Fit] = None, gpu_steps: Optional
                 c.update(mapping)
             out += cells
     return out
+
+
+def _median_rows(rows: Sequence[dict]) -> dict[str, dict]:
+    """Per system, its step-time row with the median mean step (the lower middle one of an even count): timed
+    runs repeated, or merged from several suite runs, count alike."""
+    by_system: dict[str, list[dict]] = {}
+    for r in rows:
+        by_system.setdefault(r["system"], []).append(r)
+    return {s: sorted(rs, key=lambda r: r["mean_step_s"])[(len(rs) - 1) // 2] for s, rs in by_system.items()}
 
 
 def _add_spreads(cells: list[dict]) -> None:

@@ -101,6 +101,16 @@ def test_combine_steps_once_times_step_per_network_and_real_runs():
     assert not [c for c in table if (c["system"], c["bandwidth"]) == ("async", "100mbit")]
 
 
+def test_repeated_step_times_give_their_median():
+    # three timed runs of DDP and ByteGrad at 100 Mbit/s (repeats, or suite runs merged): the median one counts
+    rows = _conv("ddp", [500]) + _conv("bytegrad", [560])
+    for ddp, bg in ((4.0, 1.2), (4.6, 0.9), (4.2, 1.0)):
+        rows += [_step("ddp", "100mbit", 10**8, ddp), _step("bytegrad", "100mbit", 10**8, bg)]
+    table = combine(rows)
+    assert _cell(table, "ddp", "100mbit")["times_s"] == pytest.approx([500 * 4.2])
+    assert _cell(table, "bytegrad", "100mbit")["times_s"] == pytest.approx([560 * 1.0])
+
+
 def test_gpu_mapping_column_from_the_cost_model():
     table = combine(_rows(), FIT)
     by_band = {c["bandwidth"]: c for c in table if c["system"] == "ddp"}
