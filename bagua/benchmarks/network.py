@@ -257,6 +257,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                                                 "get 3x DDP's steps to the target")
     p.add_argument("--seeds", type=int, default=3, help="with --to-target: seeds per convergence run (median "
                                                          "and spread are reported)")
+    p.add_argument("--step-times-only", action="store_true",
+                   help="with --to-target: skip the convergence runs of the synchronous systems and time their steps "
+                        "only (merge with a run that has them: python -m bagua.benchmarks.report A.json B.json)")
     p.add_argument("--qadam-warmup", type=int, default=None,
                    help="with --to-target: QAdam's full-precision steps when the run has no DDP convergence row to "
                         "take 20 %% of (default then: max-steps / 15)")

@@ -102,8 +102,13 @@ def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optio
 
             for system in systems:
                 for seed in seeds[system]:
-                    jobs.append(job(system, None, "real" if timed[system] else "convergence", seed, **tt))
-            for rate in [None] + shaped:
+                    if not (timed[system] or getattr(args, "step_times_only", False)):
+                        jobs.append(job(system, None, "convergence", seed, **tt))
+                    elif timed[system]:
+                        jobs.append(job(system, None, "real", seed, **tt))
+            # unshaped step times go with the unshaped convergence runs; only asked for, with --step-times-only
+            unshaped = [None] if None in rates or not getattr(args, "step_times_only", False) else []
+            for rate in unshaped + shaped:
                 jobs += [job(s, rate, "step_time") for s in systems if not timed[s]]
             for rate in shaped:
                 jobs += [job(s, rate, "real", seed, **tt) for s in systems if timed[s] for seed in seeds[s]]

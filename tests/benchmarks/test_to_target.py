@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from bagua.benchmarks import to_target
+from bagua.benchmarks import to_target, to_target_plan
 
 
 def _suite(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, list[dict], list[dict]]:
@@ -160,6 +160,22 @@ def test_plan_measures_convergence_once_and_step_time_per_network():
     assert by[("step_time", "ddp", "1gbit")].steps == 5 and by[("step_time", "ddp", "1gbit")].target is None
     assert by[("convergence", "ddp", "unshaped")].target == to_target.DEFAULTS["gpt"].target
     assert [j.workload_args()[-2:] for j in jobs if j.phase == "convergence"][1] == ["--seed", "1"]
+
+
+def test_step_times_only_skips_the_convergence_runs_and_the_qadam_warmup_is_kept():
+    from bagua.benchmarks.network import _plan, parse_args
+
+    args = parse_args(["--to-target", "--models", "gpt", "--bandwidths", "1gbit,100mbit", "--step-times-only",
+                       "--systems", "ddp,qadam,async", "--qadam-warmup", "60"])
+    jobs = _plan(args, ["ddp", "qadam", "async"], [10**9, 10**8])
+    got = [(j.phase, j.system, j.bandwidth) for j in jobs]
+    assert not [g for g in got if g[0] == "convergence"]
+    assert {g for g in got if g[0] == "step_time"} == {("step_time", s, b) for s in ("ddp", "qadam")
+                                                        for b in ("1gbit", "100mbit")}
+    assert {g for g in got if g[0] == "real"} >= {("real", "async", "1gbit")}  # timing-dependent: still real runs
+    # without a DDP convergence row in the run, a to-target job keeps --qadam-warmup and --max-steps
+    job = next(j for j in jobs if j.phase == "real")
+    assert to_target_plan.with_budget(job, []).qadam_warmup == 60
 
 
 def test_seeds_of_gives_one_system_its_own_seed_count():
