@@ -257,6 +257,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                                                                 "get 3x DDP's steps to the target")
     p.add_argument("--seeds", type=int, default=3, help="with --to-target: seeds per convergence run (median "
                                                          "and spread are reported)")
+    p.add_argument("--first-seed", type=int, default=0,
+                   help="with --to-target: the first seed (seeds are FIRST, FIRST+1, ...: add seeds to a campaign)")
     p.add_argument("--step-times-only", action="store_true",
                    help="with --to-target: skip the convergence runs of the synchronous systems and time their steps "
                         "only (merge with a run that has them: python -m bagua.benchmarks.report A.json B.json)")

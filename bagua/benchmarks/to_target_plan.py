@@ -81,7 +81,8 @@ def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optio
     unknown = sorted(set(seeds_of) - set(systems))
     if unknown:
         raise ValueError(f"--seeds-of names systems that are not in --systems: {unknown}")
-    seeds = {s: range(seeds_of.get(s, args.seeds)) for s in systems}
+    first = getattr(args, "first_seed", 0)  # a campaign continued with more seeds: --first-seed 1
+    seeds = {s: range(first, first + seeds_of.get(s, args.seeds)) for s in systems}
     validations = [(s, parse_rate(r)) for s, r in args.validate]
     shaped = [r for r in rates if r is not None]
     jobs = []
