@@ -302,8 +302,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args.targets = _parse_targets(args.target, args.models if args.to_target else [])
     if args.repeats < 1:
         raise ValueError(f"--repeats must be at least 1, got {args.repeats}")
-    if args.to_target and args.repeats > 1:
-        raise ValueError("--to-target repeats by seed: use --seeds N, not --repeats")
+    if args.to_target and args.repeats > 1 and not args.step_times_only:
+        raise ValueError("--to-target repeats by seed: use --seeds N, not --repeats (only --step-times-only runs "
+                         "repeat their timed runs)")
     if args.seeds < 1:
         raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
     if args.budget_factor < 1:

@@ -113,7 +113,7 @@ def summarize_ranks(ranks: list[dict], rate_bps: Optional[int], emulated: bool) 
     }
 
 
-_MEDIAN_FIELDS = ("step_s", "samples_per_s", "bytes_per_step", "line_rate", "compute_s", "compress_s",
+_MEDIAN_FIELDS = ("step_s", "mean_step_s", "samples_per_s", "bytes_per_step", "line_rate", "compute_s", "compress_s",
                   "communicate_s", "wait_s", "accuracy", "accuracy_min", "final_loss",
                   "time_to_target_s", "wall_to_target_s", "steps_to_target", "final_metric")
 
