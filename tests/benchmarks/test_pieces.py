@@ -103,13 +103,15 @@ def test_write_results_json_csv_png(tmp_path):
 
 
 def test_combine_repeats_takes_medians_per_configuration():
-    rows = [dict(_row("ddp", "1gbit", s), run="r", repeat=k) for k, s in enumerate([1.0, 3.0, 2.0])]
+    rows = [dict(_row("ddp", "1gbit", s), run="r", repeat=k, mean_step_s=s + 0.1)
+            for k, s in enumerate([1.0, 3.0, 2.0])]
     rows += [dict(_row("bytegrad", "1gbit", 0.5), run="r", repeat=0),
              {"model": "mlp", "hosts": 2, "bandwidth": "1gbit", "system": "bytegrad", "status": "failed",
               "run": "r", "repeat": 1}]
     combined = report.add_speedups(report.combine_repeats(rows))
     ddp, bytegrad = combined
     assert ddp["step_s"] == 2.0 and ddp["step_s_repeats"] == [1.0, 3.0, 2.0] and ddp["repeats"] == 3
+    assert ddp["mean_step_s"] == pytest.approx(2.1)  # the to-target table's step: the median too
     assert bytegrad["repeats"] == 1 and bytegrad["failed_repeats"] == 1
     assert bytegrad["speedup"] == pytest.approx(4.0)
 

@@ -165,8 +165,11 @@ def test_plan_measures_convergence_once_and_step_time_per_network():
 def test_step_times_only_skips_the_convergence_runs_and_the_qadam_warmup_is_kept():
     from bagua.benchmarks.network import _plan, parse_args
 
+    with pytest.raises(ValueError, match="not --repeats"):
+        parse_args(["--to-target", "--models", "gpt", "--repeats", "3"])
     args = parse_args(["--to-target", "--models", "gpt", "--bandwidths", "1gbit,100mbit", "--step-times-only",
-                       "--systems", "ddp,qadam,async", "--qadam-warmup", "60"])
+                       "--systems", "ddp,qadam,async", "--qadam-warmup", "60", "--repeats", "3"])
+    assert args.repeats == 3  # timed runs may repeat
     jobs = _plan(args, ["ddp", "qadam", "async"], [10**9, 10**8])
     got = [(j.phase, j.system, j.bandwidth) for j in jobs]
     assert not [g for g in got if g[0] == "convergence"]
