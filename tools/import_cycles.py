@@ -47,7 +47,8 @@ def module_imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                parts = package.split(".")
+                parts = parts[: len(parts) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
             found.add(base)
             found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`

@@ -82,6 +82,7 @@ def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optio
     if unknown:
         raise ValueError(f"--seeds-of names systems that are not in --systems: {unknown}")
     first = getattr(args, "first_seed", 0)  # a campaign continued with more seeds: --first-seed 1
+    step_times_only = getattr(args, "step_times_only", False)
     seeds = {s: range(first, first + seeds_of.get(s, args.seeds)) for s in systems}
     validations = [(s, parse_rate(r)) for s, r in args.validate]
     shaped = [r for r in rates if r is not None]
@@ -103,12 +104,12 @@ def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optio
 
             for system in systems:
                 for seed in seeds[system]:
-                    if not (timed[system] or getattr(args, "step_times_only", False)):
-                        jobs.append(job(system, None, "convergence", seed, **tt))
-                    elif timed[system]:
+                    if timed[system]:
                         jobs.append(job(system, None, "real", seed, **tt))
+                    elif not step_times_only:
+                        jobs.append(job(system, None, "convergence", seed, **tt))
             # unshaped step times go with the unshaped convergence runs; only asked for, with --step-times-only
-            unshaped = [None] if None in rates or not getattr(args, "step_times_only", False) else []
+            unshaped = [None] if None in rates or not step_times_only else []
             for rate in unshaped + shaped:
                 jobs += [job(s, rate, "step_time") for s in systems if not timed[s]]
             for rate in shaped:

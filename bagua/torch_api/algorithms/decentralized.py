@@ -64,10 +64,6 @@ _copy_weights_into = copy_weights_into
 _copy_weights_from = copy_weights_from
 
 
-
-
-
-
 def _peer_count(group: BaguaProcessGroup, hierarchical: bool) -> int:
     return _peer_communicator(group, hierarchical).nranks()
 
@@ -158,9 +154,6 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
 
 def _check_peer_mode(peer_selection_mode: str) -> None:
     check_choice("DecentralizedAlgorithm", "peer_selection_mode", peer_selection_mode, PEER_SELECTION_MODES)
-
-
-
 
 
 @GlobalAlgorithmRegistry.register("decentralized", description="decentralized SGD: average weights with peers")

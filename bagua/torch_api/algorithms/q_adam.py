@@ -85,25 +85,23 @@ def resolve_warmup(warmup_steps: Optional[Union[int, float]], total_steps: Optio
         >>> resolve_warmup(None), resolve_warmup(None, 1000), resolve_warmup(0.25, 1000), resolve_warmup(7, 1000)
         (100, 200, 250, 7)
     """
-    hint = "; for Adam without compression use torch.optim.Adam with gradient_allreduce"
     if total_steps is not None and (isinstance(total_steps, bool) or not isinstance(total_steps, int)
                                     or total_steps <= 0):
         raise ValueError(f"total_steps must be a positive integer (the run's optimizer steps), got {total_steps!r}")
     if warmup_steps is None:
-        fraction = DEFAULT_WARMUP_FRACTION if total_steps is not None else None
-    elif isinstance(warmup_steps, float) and 0.0 < warmup_steps < 1.0:
+        if total_steps is None:
+            return DEFAULT_WARMUP_STEPS
+        warmup_steps = DEFAULT_WARMUP_FRACTION
+    if isinstance(warmup_steps, float) and 0.0 < warmup_steps < 1.0:
         if total_steps is None:
             raise ValueError(f"warmup_steps={warmup_steps} is a fraction of the run: pass total_steps=... too, "
                              "or give warmup_steps in steps")
-        fraction = warmup_steps
-    elif isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
+        return max(1, round(warmup_steps * total_steps))
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
         raise ValueError(f"warmup_steps must be a positive integer (the number of full-precision Adam steps) or a "
-                         f"fraction in (0, 1) of total_steps, got {warmup_steps!r}{hint}")
-    else:
-        return warmup_steps
-    if fraction is None:
-        return DEFAULT_WARMUP_STEPS
-    return max(1, round(fraction * total_steps))
+                         f"fraction in (0, 1) of total_steps, got {warmup_steps!r}; for Adam without compression "
+                         "use torch.optim.Adam with gradient_allreduce")
+    return warmup_steps
 
 
 class QAdamOptimizer(torch.optim.Optimizer):
