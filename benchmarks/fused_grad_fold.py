@@ -10,7 +10,7 @@ Per step, 2000 params of 64x64 float32, one thread, CPU clock, variants round-ro
   outcat      compiled fn returning new flat p/state: cat of per-parameter updated pieces (no copy back; buffers swap)
   real_kept / real_copy   fuse_optimizer(..., compile=True) itself (Adam only; Lion too), gradients kept / fresh
 """
-import argparse, os, signal, statistics, sys, time
+import argparse, os, signal, sys, time
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import torch
@@ -22,7 +22,7 @@ NUMEL = SHAPE[0] * SHAPE[1]
 
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fused_optimizer import Lion  # noqa: E402 - the benchmark's user-written Lion
+from fused_optimizer import Lion, _with_new_grads, time_round_robin  # noqa: E402 - the fused-optimizer benchmark's
 
 
 # ---- the update, written once, applied to flat tensors or to slices of them ----
@@ -62,6 +62,8 @@ def lion_new(p, g, st, step, lr):
     return p2, m * LB2 + g * (1 - LB2)
 
 
+# first calls before timing: fuse_optimizer steps eagerly once and compiles at its 2nd; the others compile at the 1st
+N_FIRST = 2
 UPD = {"adam": (adam_upd, adam_new, 2), "lion": (lion_upd, lion_new, 1)}
 
 
@@ -177,12 +179,8 @@ def build(name, variant, grads_src):
         opt = torch.optim.Adam(params, lr=lr, foreach=False) if name == "adam" else \
             Lion(params, lr=lr, weight_decay=LWD)
         opt = fuse_optimizer(opt, compile=True)
-
-        def prepare_real():
-            for p, g in zip(params, grads_src):
-                p.grad = g.clone()
-        return (prepare_real if variant == "real_copy" else None), opt.fuse_step, \
-            lambda: torch.cat([p.detach().reshape(-1) for p in params])
+        prepare_real = _with_new_grads(opt, "fuse_step")[0] if variant == "real_copy" else None
+        return prepare_real, opt.fuse_step, lambda: torch.cat([p.detach().reshape(-1) for p in params])
     raise ValueError(variant)
 
 
@@ -219,8 +217,7 @@ def main():
             w0, c0 = time.perf_counter(), time.process_time()
             try:
                 with icfg.patch(patch):
-                    n_first = 2  # fuse_optimizer: eager first step, compiles at the 2nd; the others compile at the 1st
-                    for _ in range(n_first):
+                    for _ in range(N_FIRST):
                         if prepare:
                             prepare()
                         step()
@@ -235,29 +232,20 @@ def main():
             compile_s[v] = (time.perf_counter() - w0, time.process_time() - c0)
             print(f"{name} {v}: first call(s) {compile_s[v][0]:.1f}s wall, {compile_s[v][1]:.1f}s cpu (this proc)",
                   flush=True)
-            runs[v] = (prepare, step, getp, n_first)
-        times = {v: [] for v in runs}
-        for i in range(args.warmup + args.steps):
-            for v, (prepare, step, _, _) in runs.items():
-                if prepare:
-                    prepare()
-                t0 = time.process_time()
-                step()
-                t = time.process_time() - t0
-                if i >= args.warmup:
-                    times[v].append(t * 1e3)
+            runs[v] = (prepare, step, getp)
+        ms = time_round_robin({v: (prepare, step) if prepare else step for v, (prepare, step, _) in runs.items()},
+                              args.steps, args.warmup, "cpu", "cpu")
         # correctness: every variant took the same number of steps with the same gradients
-        total = {v: args.warmup + args.steps + runs[v][3] for v in runs}
+        total = args.warmup + args.steps + N_FIRST
         ref = runs.get("copy") or next(iter(runs.values()))
         rp = ref[2]()
         print(f"\n{name}: {N} params of {SHAPE}, 1 thread, CPU clock, median of {args.steps} steps (ms)")
-        base = statistics.median(times["copy"]) if "copy" in times else None
+        base = ms.get("copy")
         for v in runs:
-            med = statistics.median(times[v])
             diff = (runs[v][2]() - rp).abs().max().item()
-            rel = f"  {med / base:5.2f}x copy" if base else ""
-            print(f"  {v:<10} {med:8.2f} ms  (min {min(times[v]):.2f}, max {max(times[v]):.2f}){rel}"
-                  f"  steps={total[v]}  max|p - p_copy|={diff:.2e}  compile {compile_s[v][0]:.1f}s", flush=True)
+            rel = f"  {ms[v] / base:5.2f}x copy" if base else ""
+            print(f"  {v:<10} {ms[v]:8.2f} ms{rel}  steps={total}  max|p - p_copy|={diff:.2e}"
+                  f"  compile {compile_s[v][0]:.1f}s", flush=True)
     print("load average at end:", os.getloadavg(), flush=True)
 
 

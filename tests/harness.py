@@ -68,18 +68,11 @@ def _entry(fn, rank, world_size, local_size, args, store_path, environ, env, res
             dist.destroy_process_group()
 
 
-_CTX = None
 # Imported once in the forkserver. None of these reads an environment variable at import time that a test sets;
 # bagua (whose settings tests change through the environment) is imported by each worker.
 _PRELOAD = ["torch", "torch.distributed", "pytest"]
-
-
-def _context() -> Any:
-    global _CTX
-    if _CTX is None:
-        _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(_PRELOAD)
-    return _CTX
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(_PRELOAD)
 
 
 def run_workers(
@@ -98,7 +91,7 @@ def run_workers(
     algorithms then run their flat form (on one node of several ranks they would train the node average). ``env``
     is added to every worker's environment.
     """
-    ctx = _context()
+    ctx = _CTX
     results = ctx.Queue()
     local_size = local_size or 1
     with tempfile.TemporaryDirectory(prefix="bagua-test-") as tmp:

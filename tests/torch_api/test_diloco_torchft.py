@@ -1,6 +1,6 @@
 """Bagua's DiLoCo against torchft's ``DiLoCo``, a peer that shares no code with it (issue 27).
 
-Two replicas, one process each, CPU and gloo, the same MLP and per-rank batches on both sides, H = 5 inner steps,
+Two replicas, one process each, CPU and gloo, the same MLP and per-rank batches (``tests/torch_api/models.py``) on both sides, H = 5 inner steps,
 3 synchronizations, outer SGD lr 0.7 with Nesterov momentum 0.9: Bagua's ``DiLoCoAlgorithm(compression="none")``
 ends with weights bit-identical to torchft's, for AdamW and SGD as the inner optimizer. torchft runs with
 ``init_sync=False``: with its default ``True`` the first quorum (at the first synchronization) makes replica 1 take
@@ -20,20 +20,11 @@ import pytest
 import torch
 
 from tests.harness import run_workers
+from tests.torch_api.models import batch, make_model, params_of
 
 torchft = pytest.importorskip("torchft")
 
 H, SYNCS = 5, 3
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(10, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(rank * 7919 + step)
-    return torch.randn(8, 10, generator=g), torch.randn(8, 4, generator=g)
 
 
 def _inner(name: str, params) -> torch.optim.Optimizer:
@@ -44,17 +35,17 @@ def _inner(name: str, params) -> torch.optim.Optimizer:
 
 def _train(model, opt, rank) -> list[torch.Tensor]:
     for step in range(1, H * SYNCS + 1):
-        x, y = _batch(rank, step)
+        x, y = batch(rank, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return params_of(model)
 
 
 def _bagua(rank, world_size, inner_name):
     from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 
-    model = _model()
+    model = make_model(0)  # the same weights on every replica: torchft with init_sync=False broadcasts nothing
     opt = _inner(inner_name, model.parameters())
     model.with_bagua([opt], DiLoCoAlgorithm(sync_every=H, outer_lr=0.7, outer_momentum=0.9, nesterov=True,
                                             compression="none", hierarchical=False))
@@ -92,7 +83,7 @@ def _torchft(rank, world_size, lighthouse, inner_name):
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     _loopback_only()
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    model = _model()
+    model = make_model(0)
     inner = _inner(inner_name, model.parameters())
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     timeout = timedelta(seconds=30)
@@ -124,4 +115,4 @@ def test_same_weights_as_torchft_diloco(inner):
         for i, (a, b) in enumerate(zip(ours[rank], theirs[rank])):
             assert torch.equal(a, b), f"rank {rank} parameter {i}: max |diff| {(a - b).abs().max().item():.3e}"
     # not trivially equal: the replicas trained on different batches and synchronized
-    assert not torch.equal(ours[0][0], _model()[0].weight)
+    assert not torch.equal(ours[0][0], make_model(0).fc1.weight)
