@@ -150,7 +150,14 @@ def stage_tests(run: Run, args: argparse.Namespace) -> dict:
     hidden = dict(env.environ_snapshot(), CUDA_VISIBLE_DEVICES="")
     # the gpu-marked tests get at most half the stage's time (or 4 minutes): a hung one must leave the rest theirs
     left = run.left_s("tests")
-    rc, out = run.command(base + ["-m", "gpu"], min(left, max(240.0, left / 2)),
+    workers = args.pytest_workers
+    if workers is None:
+        workers = min(8, (os.cpu_count() or 1) // 2) if (os.cpu_count() or 1) >= 8 else 0
+    parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 and importlib.util.find_spec("xdist") else []
+    # the gpu-marked tests share the one GPU between at most 4 workers (each job takes well under 1 GiB of it)
+    gpu_parallel = ["-n", str(min(workers, 4)), "--dist", "loadfile"] if parallel else []
+    rc, out = run.command(base + ["-m", "gpu", *gpu_parallel],
+                          left if args.gpu_tests_only else min(left, max(240.0, left / 2)),
                           env=env.environ_snapshot() if run.cuda else hidden)
     gpu = pytest_summary(rc, out)
     if run.cuda:
@@ -159,10 +166,12 @@ def stage_tests(run: Run, args: argparse.Namespace) -> dict:
             run.say("tests: " + line)
     else:
         run.skip_cuda("tests", f"the gpu-marked tests skip here ({gpu['summary'] or 'no summary'})")
-    workers = args.pytest_workers
-    if workers is None:
-        workers = min(8, (os.cpu_count() or 1) // 2) if (os.cpu_count() or 1) >= 8 else 0
-    parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 and importlib.util.find_spec("xdist") else []
+    if args.gpu_tests_only:
+        for line in gpu["failed"]:
+            run.say("tests: " + line)
+        run.say("tests: the rest: not run (--gpu-tests-only)")
+        return {"status": gpu["status"], "gpu_marked": gpu, "rest": {"status": "skipped", "summary": "not run: "
+                "--gpu-tests-only", "failed": []}}
     if run.left_s("tests") < 30:
         run.say("tests: the rest: not run, the time budget is spent (run --stage tests in a call of its own)")
         rest = {"status": "partial", "summary": "not run: no time left", "failed": []}
@@ -251,6 +260,27 @@ def stage_codec(run: Run, args: argparse.Namespace) -> dict:
         run.say(f"codec: {device} {r['op']}: {r['gb_per_s']:.1f} GB/s of float32 = {r['of_copy']:.0%} of the "
                 f"{r['copy_gb_per_s']:.0f} GB/s copy (goal {r['goal']:.0%}: {'met' if r['met'] else 'missed'}; "
                 f"counting the bytes it must move: {r['moved_of_copy']:.0%})")
+    blocks = _benchmark_script("codec").bench_blocks(args.codec_elements, args.codec_block, args.codec_chunks,
+                                                     torch.device(device), args.repeats)
+    for r in blocks:
+        share = 4 * r["numel"] / (r["ms"] / 1e3) / copy_bps
+        r["of_copy"] = round(share, 4)
+        run.say(f"codec: {device} block-wise {r['codec']} {r['op']} (block {r['block']}): {r['ms']:.2f} ms, "
+                f"{4 * r['numel'] / r['ms'] / 1e6:.1f} GB/s of float32 = {share:.0%} of the copy")
+    compiled = None
+    if run.cuda:  # the torch.compile'd codec (Triton): speed and codes that differ from the eager codec's
+        try:
+            compiled = _benchmark_script("codec_compiled").bench_compiled(args.codec_elements, args.codec_chunks,
+                                                                        torch.device(device), args.repeats)
+            for op in ("encode", "decode"):
+                t = compiled["ms"][f"compiled_{op}"]
+                run.say(f"codec: cuda compiled {op}: {t:.3f} ms (eager {compiled['ms'][f'eager_{op}']:.3f} ms) = "
+                        f"{4 * compiled['numel'] / t / 1e6 / (copy_bps / 1e9):.0%} of the copy")
+            run.say(f"codec: compiled against eager, mismatches: random {compiled['mismatch_random']}, "
+                    f"special rows {compiled['mismatch_special']}")
+        except Exception:  # noqa: BLE001 - an experiment: its failure is reported, not fatal
+            compiled = {"error": traceback.format_exc()}
+            run.say("codec: compiled codec failed:\n" + compiled["error"])
     if not run.cuda:
         run.skip_cuda("fused adam", "torch's fused Adam against fuse_optimizer on the GPU; timing "
                                     f"{args.adam_params} x {args.adam_shape}^2 on cpu instead")
@@ -266,7 +296,8 @@ def stage_codec(run: Run, args: argparse.Namespace) -> dict:
             + (f", compile=True {ms['compiled']:.2f} ms" if "compiled" in ms else "")
             + f", foreach {ms['foreach']:.2f} ms" + against)
     return {"status": "ok", "device": device, "copy_gb_per_s": round(copy_bps / 1e9, 2), "codec": speeds,
-            "codec_rows": rows, "fused_adam_ms": ms}
+            "codec_rows": rows, "block_rows": blocks, "compiled": compiled,
+            "fused_adam_ms": ms}
 
 
 # -- the command line -------------------------------------------------------------------------------------------
@@ -283,10 +314,12 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--wheels", default=".whl", help="folder of the wheels to install (install stage)")
     p.add_argument("--fetch", metavar="DIR", help="instead: download the wheels (and iproute2 .debs) into DIR")
     p.add_argument("--tests-path", nargs="+", default=["tests"], help="what pytest runs (tests stage)")
+    p.add_argument("--gpu-tests-only", action="store_true", help="the tests stage runs the gpu-marked tests alone")
     p.add_argument("--pytest-workers", type=int, default=None, help="pytest-xdist workers for the non-gpu tests "
                                                                       "(default: up to 8 on 8 cores or more)")
     p.add_argument("--codec-elements", type=int, default=64 << 20, help="float32 elements the codec encodes")
     p.add_argument("--codec-chunks", type=int, default=8, help="chunks (ranks of a bucket) of the codec run")
+    p.add_argument("--codec-block", type=int, default=4096, help="block size of the block-wise codecs' timing")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats of the codec and the fused Adam steps")
     p.add_argument("--adam-params", type=int, default=100, help="parameters of the fused Adam comparison")
     p.add_argument("--adam-shape", type=int, default=1024, help="each an N x N matrix")
