@@ -205,6 +205,7 @@ def block_allreduce_inplace(
     ws.check(flat.numel(), n, codec, block_size)
     if c.group is None or n == 1 or flat.numel() == 0:
         return ws
+    c.check_point_to_point(flat, f"the block-wise {codec} scatter-reduce (ByteGrad, QAdam, DiLoCo)")
     r = c.rank()
     ws._prepare(flat.device, error_feedback)
     B, W = block_size, ws.slot

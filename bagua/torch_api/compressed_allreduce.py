@@ -153,6 +153,7 @@ def low_precision_allreduce_inplace(
     """
     if c.group is None or c.nranks() == 1:
         return None
+    c.check_point_to_point(flat, "the 8-bit scatter-reduce (ByteGrad, QAdam)")
     n, r = c.nranks(), c.rank()
     ws = workspace or Workspace(flat.numel(), n, flat.device)
     if ws.numel != flat.numel() or ws.nranks != n:

@@ -84,6 +84,8 @@ def start_exchange(send: torch.Tensor, received: dict[int, torch.Tensor], c: Bag
     half duplex (1.6 s instead of 0.83 s at 1 Gbit/s on the emulated hosts), the interleaved pieces always reach
     line rate in both directions.
     """
+    c.check_point_to_point(send, "the peer exchange of decentralized SGD (peer_selection_mode 'shift_one' or "
+                                 "'ring', and low-precision decentralized)")
     flat_send = send.view(-1).view(torch.uint8)
     flat_recv = {p: buf.view(-1).view(torch.uint8) for p, buf in received.items()}
     ops = []

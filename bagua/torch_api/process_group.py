@@ -86,11 +86,13 @@ class BaguaCommunicator:
     def send(self, tensor, peer: int) -> None:
         """Send ``tensor`` to rank ``peer`` of the communicator."""
         if self._runs():
+            self.check_point_to_point(_plain(tensor), "BaguaCommunicator.send")
             dist.send(_plain(tensor), self.global_rank(peer), group=self.group)  # gloo's p2p work only ends in wait()
 
     def recv(self, tensor, peer: int) -> None:
         """Receive into ``tensor`` from rank ``peer`` of the communicator."""
         if self._runs():
+            self.check_point_to_point(_plain(tensor), "BaguaCommunicator.recv")
             dist.recv(_plain(tensor), self.global_rank(peer), group=self.group)
 
     def broadcast(self, tensor, root: int) -> None:
@@ -176,6 +178,20 @@ class BaguaCommunicator:
     def check_abort(self) -> bool:
         """Whether :meth:`abort` was called on this communicator (or another one on the same torch group)."""
         return any(g is self.group for g in _ABORTED)
+
+    def check_point_to_point(self, tensor: torch.Tensor, what: str) -> None:
+        """Raise a ``ValueError`` naming the fix where ``what`` would send ``tensor`` point to point over gloo from
+        GPU memory: gloo's ``send``/``recv`` are CPU-only in torch, and its TCP transport reads a CUDA tensor's
+        pointer as host memory (a crash or garbage, never an error of its own). Every rank raises it before any
+        byte moves. Collectives (``all_reduce``, ``broadcast``) are not affected: gloo reduces CUDA tensors.
+        """
+        if tensor.is_cuda and self.group is not None and dist.get_backend(self.group) == "gloo":
+            raise ValueError(
+                f"{what} sends point to point, which the gloo backend cannot do with CUDA tensors (torch's gloo "
+                "send/recv are CPU-only): initialize with backend='nccl' (one GPU per rank), or train on CPU "
+                "tensors with gloo; gloo's collectives (gradient_allreduce, decentralized with peer_selection_mode="
+                "'all', async, DiLoCo without compression) do work on CUDA tensors"
+            )
 
     def _runs(self) -> bool:
         return self.group is not None and self.nranks() > 1 and not self.check_abort()

@@ -28,6 +28,15 @@ KWARGS = {
     "diloco": dict(sync_every=2, fragments=2, overlap_steps=1, offload_outer_state=True, hierarchical=False),
     "low_precision_decentralized": dict(hierarchical=False),
 }
+#: The algorithms whose exchanges gloo cannot make with CUDA tensors, and why.
+_P2P = ("exchanges through point-to-point on gloo ({}), and gloo's send/recv take a CUDA tensor's pointer as host "
+        "memory (torch's backend table: gloo send/recv CPU only); NCCL, which can, refuses two ranks on one GPU")
+GLOO_P2P = {
+    "bytegrad": _P2P.format("the 8-bit scatter-reduce"),
+    "qadam": _P2P.format("the 8-bit scatter-reduce of the momentum, after its warmup"),
+    "low_precision_decentralized": _P2P.format("the ring of 8-bit weight differences"),
+}
+
 LR = 0.05
 QADAM_LR = 0.01
 

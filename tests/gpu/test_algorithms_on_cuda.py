@@ -10,9 +10,11 @@ Two settings, each compared with the CPU run of the same configuration:
 
 Gloo reduces CUDA tensors in ``all_reduce`` and ``broadcast`` (and has CUDA all-to-all); torch's backend table
 marks its ``send``/``recv`` CPU-only, and ``ProcessGroupGloo::send``/``recv`` hand the tensor's pointer to gloo's
-TCP transport as host memory, with no check of the device. The algorithms that exchange through point-to-point
-on gloo (:data:`GLOO_P2P`: ByteGrad's and QAdam's scatter-reduce, the low-precision ring) are expected to fail
-there and are marked xfail with that reason; the others must pass.
+TCP transport as host memory, with no check of the device (on the first GPU run: "Connection closed by peer"). The
+algorithms that exchange through point-to-point on gloo (:data:`GLOO_P2P`: ByteGrad's and QAdam's scatter-reduce,
+the low-precision ring) therefore refuse CUDA tensors on gloo with a ``ValueError`` that names the fix
+(``BaguaCommunicator.check_point_to_point``), on every rank before any byte moves: their test checks that error;
+the others must match the CPU run.
 
 Tolerances, CUDA against CPU (TF32 off): fp32 algorithms ``rtol=1e-5, atol=1e-6`` (matmuls sum in another order);
 8-bit codes ``atol=1e-3`` (a value at a rounding boundary may take the neighbouring code: one quantization step
@@ -29,7 +31,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from tests.gpu.cuda_jobs import QADAM_LR, algorithm_names, init_gloo, outcome, skip_reason, train, train_each
+from tests.gpu.cuda_jobs import GLOO_P2P, QADAM_LR, algorithm_names, init_gloo, outcome, skip_reason, train, train_each
 from tests.harness import WorkerError, run_workers
 from tests.torch_api.models import make_model
 
@@ -48,13 +50,6 @@ UNKNOWN = dict(rtol=0, atol=1e-3)
 ONLY_FINITE = {"async"}
 SYNC = {"gradient_allreduce", "bytegrad", "qadam"}  # every rank ends with the same weights, bit for bit
 ENV = {"BAGUA_COMM_TIMEOUT_S": "60"}  # a hung collective fails in a minute, naming the operation
-_P2P = ("exchanges through point-to-point on gloo ({}), and gloo's send/recv take a CUDA tensor's pointer as host "
-        "memory (torch's backend table: gloo send/recv CPU only); NCCL, which can, refuses two ranks on one GPU")
-GLOO_P2P = {
-    "bytegrad": _P2P.format("the 8-bit scatter-reduce"),
-    "qadam": _P2P.format("the 8-bit scatter-reduce of the momentum, after its warmup"),
-    "low_precision_decentralized": _P2P.format("the ring of 8-bit weight differences"),
-}
 
 
 def _skip_unbuildable(name: str) -> None:
@@ -124,13 +119,16 @@ def _worker_two_ranks(rank, world_size, name, store_path):
         return cpu, None, (f"{type(exc).__name__}: {exc}", traceback.format_exc())
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(reason=f"{name} {GLOO_P2P[name]}", strict=False)) if name in GLOO_P2P
-    else name for name in NAMES])
+@pytest.mark.parametrize("name", NAMES)
 def test_two_ranks_on_one_gpu_through_gloo_match_cpu(name, tmp_path):
     _skip_unbuildable(name)
     runs = run_workers(_worker_two_ranks, 2, name, str(tmp_path / "store"), init_bagua=False, env=ENV,
                        timeout=150 if name in GLOO_P2P else 300)
+    if name in GLOO_P2P:  # a clear error on every rank, not gloo reading GPU memory as host memory
+        for rank, (_, cuda, error) in enumerate(runs):
+            assert cuda is None and error is not None, f"{name}: rank {rank} trained on CUDA through gloo p2p"
+            assert "the gloo backend cannot do with CUDA tensors" in error[0] and "backend='nccl'" in error[0], error
+        return
     for rank, (cpu, cuda, error) in enumerate(runs):
         if error is not None:
             pytest.fail(f"{name} on CUDA through gloo failed on rank {rank}: {error[0][:500]}\n{error[1]}")

@@ -219,6 +219,10 @@ def test_cuda_gives_the_same_bytes_and_values_as_cpu(codec):
     x = torch.cat([torch.randn(100_003), DATA["huge"](64), DATA["tiny_range"](64), torch.tensor([float("nan")])])
     wire = bc.encode(x, codec)
     y = bc.decode(wire, x.numel(), codec)
-    wire_gpu = bc.encode(x.cuda(), codec)
-    assert torch.equal(wire_gpu.cpu(), wire)
+    wire_gpu = bc.encode(x.cuda(), codec).cpu()
+    if codec == "bf16":  # the cast's NaN bits are the device's own (CPU vector code 0xFFFF, CUDA 0x7FFF)
+        nan = torch.isnan(wire.view(torch.bfloat16)) & torch.isnan(wire_gpu.view(torch.bfloat16))
+        assert int(nan.sum()) == 1
+        wire, wire_gpu = (w.view(torch.int16).masked_fill(nan, 0).view(torch.uint8) for w in (wire, wire_gpu))
+    assert torch.equal(wire_gpu, wire)
     assert_close(bc.decode(wire_gpu, x.numel(), codec).cpu(), y, rtol=0, atol=0, equal_nan=True)
