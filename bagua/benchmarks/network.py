@@ -51,6 +51,9 @@ def resolve_systems(spec: str) -> list[str]:
     available = available_systems()
     if spec.strip() == "all":
         return available
+    from bagua.benchmarks import torchft_peer
+
+    available += [torchft_peer.NAME] if torchft_peer.available() else []  # optional peers: named, never in "all"
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [s for s in names if split_system(s)[0] not in available]
     if unknown:

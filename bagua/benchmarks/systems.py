@@ -13,6 +13,7 @@ Part of :mod:`bagua.benchmarks.workload`, which re-exports these public names.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -205,7 +206,7 @@ def steps_per_round(spec: str) -> int:
     name, kwargs = split_system(spec)
     if name == "ddp_post_local_sgd":
         return int(kwargs.get("period", POST_LOCAL_SGD_DEFAULTS["period"]))
-    if name == "diloco":
+    if name in ("diloco", "torchft_diloco"):
         from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 
         return int(kwargs.get("sync_every", DiLoCoAlgorithm.sync_every))
@@ -265,6 +266,12 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
     name, kwargs = split_system(name)
     if name == "ddp_post_local_sgd":
         return _post_local_sgd(model, optimizer_kind, lr, timer, **kwargs)
+    if name == "torchft_diloco":  # an optional peer: torchft's DiLoCo (bagua.benchmarks.torchft_peer)
+        from bagua.benchmarks import torchft_peer
+
+        inner, close, note = torchft_peer.torchft_diloco(
+            model, lambda params: _make_optimizer(optimizer_kind, params, lr), **kwargs)
+        return System(model, inner, contextlib.nullcontext, None, close=close, notes=[note])
     if kwargs and name in DDP_SYSTEMS and name != "ddp_bytegrad":
         raise ValueError(f"{name} takes no extra arguments in this benchmark, got {kwargs}")
     if name in DDP_SYSTEMS:

@@ -13,12 +13,12 @@ manager are Rust in the wheel); skipped without it, as in CI. torchft's quantize
 
 from __future__ import annotations
 
-import socket
 from datetime import timedelta
 
 import pytest
 import torch
 
+from bagua.benchmarks.torchft_peer import bind_to
 from tests.harness import run_workers
 from tests.torch_api.models import batch, make_model, params_of
 
@@ -52,27 +52,6 @@ def _bagua(rank, world_size, inner_name):
     return _train(model, opt, rank)
 
 
-def _loopback_only() -> None:
-    """torchft 0.2.0 binds its manager server to ``[::]`` and its checkpoint server to every interface: 127.0.0.1."""
-    from http.server import ThreadingHTTPServer
-
-    import torchft.checkpointing.http_transport as http_transport
-    import torchft.manager as manager_module
-
-    class LoopbackHTTPServer(ThreadingHTTPServer):
-        request_queue_size = 1024
-
-        def __init__(self, server_address, handler):
-            super().__init__(("127.0.0.1", 0), handler)
-
-    http_transport._IPv6HTTPServer = LoopbackHTTPServer
-    address = http_transport.HTTPTransport.address
-    http_transport.HTTPTransport.address = lambda self: address(self).replace(f"//{socket.gethostname()}:",
-                                                                              "//127.0.0.1:")
-    server = manager_module.ManagerServer
-    manager_module.ManagerServer = lambda **kw: server(**{**kw, "bind": kw["bind"].replace("[::]", "127.0.0.1")})
-
-
 def _torchft(rank, world_size, lighthouse, inner_name):
     import os
 
@@ -81,7 +60,7 @@ def _torchft(rank, world_size, lighthouse, inner_name):
     from torchft.local_sgd import DiLoCo
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    _loopback_only()
+    bind_to("127.0.0.1")  # torchft binds its servers to every interface otherwise
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     model = make_model(0)
     inner = _inner(inner_name, model.parameters())
