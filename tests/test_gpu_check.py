@@ -97,3 +97,28 @@ def test_lanes_start_when_their_hosts_fit_and_ddp_runs_first():
     systems = ["ddp_powersgd", "qadam", "ddp", "decentralized:peer_selection_mode=shift_one", "ddp_fp16"]
     assert gpu_check_network.order_systems(systems) == [
         "ddp", "qadam", "decentralized:peer_selection_mode=shift_one", "ddp_powersgd", "ddp_fp16"]
+
+
+def test_gpu_tests_only_skips_the_rest_and_keeps_its_time(tmp_path):
+    # the gpu-marked tests alone (what a short device call runs), with a budget whose share would be under a minute
+    args = ["--stage", "tests,network", "--gpu-tests-only", "--dry-run", "--budget-s", "100",
+            "--tests-path", "tests/gpu/test_kernels_on_cuda.py", "--network-models", "tiny", "--network-hosts", "2",
+            "--network-rates", "100mbit", "--network-systems", "gradient_allreduce", "--network-warmup", "1",
+            "--network-steps", "1"]
+    proc = subprocess.run([sys.executable, "-m", "bagua.benchmarks.gpu_check", str(tmp_path), *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(tmp_path / "gpu_check.json") as f:
+        tests = json.load(f)["stages"]["tests"]
+    assert tests["rest"]["status"] == "skipped" and "--gpu-tests-only" in tests["rest"]["summary"]
+    assert tests["gpu_marked"]["status"] == "ok"
+
+
+def test_the_gpu_tests_keep_their_time_in_a_short_call(tmp_path):
+    run = gpu_check.Run(str(tmp_path), budget_s=100, cuda=False, stages=["tests", "network"])
+    share = run.left_s("tests")  # the network stage's reserve leaves the tests a proportional share
+    assert share < 40
+    assert gpu_check.gpu_tests_seconds(run, only=True) == pytest.approx(100, abs=1)  # all of the call's 100 s
+    assert gpu_check.gpu_tests_seconds(run, only=False) == pytest.approx(share, abs=1)
+    long = gpu_check.Run(str(tmp_path), budget_s=540, cuda=False, stages=["tests", "codec"])
+    assert gpu_check.gpu_tests_seconds(long, only=True) == pytest.approx(long.left_s("tests"), abs=1)

@@ -47,7 +47,7 @@ from typing import Optional, Sequence
 
 from bagua.benchmarks.gpu_check_install import ROOT, fetch, stage_install
 
-__all__ = ["STAGES", "RESERVE_S", "Run", "pytest_summary", "stage_tests", "copy_bandwidth", "codec_speeds",
+__all__ = ["STAGES", "RESERVE_S", "Run", "pytest_summary", "gpu_tests_seconds", "stage_tests", "copy_bandwidth", "codec_speeds",
            "stage_codec", "parse_args", "main"]
 
 STAGES = ("install", "tests", "codec", "network", "latency")
@@ -143,6 +143,16 @@ def pytest_summary(rc: Optional[int], output: str) -> dict:
             pick("ERROR "), "xfailed": pick("XFAIL "), "skipped": pick("SKIPPED ")}
 
 
+def gpu_tests_seconds(run: Run, only: bool) -> float:
+    """Seconds the gpu-marked tests may take: with the rest of the suite to follow, half the stage's time (at least
+    4 minutes of it); alone (``--gpu-tests-only``), the stage's time but at least :data:`GPU_TESTS_S` where the call
+    has it (they took 68-71 s on the H100: a small budget's share for the stage, 60 s in one call, cut them)."""
+    left = run.left_s("tests")
+    if only:
+        return max(left, min(run.deadline - time.monotonic(), GPU_TESTS_S))
+    return min(left, max(240.0, left / 2))
+
+
 def stage_tests(run: Run, args: argparse.Namespace) -> dict:
     import importlib.util
 
@@ -151,17 +161,14 @@ def stage_tests(run: Run, args: argparse.Namespace) -> dict:
     base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEsxX", *args.tests_path]
     hidden = dict(env.environ_snapshot(), CUDA_VISIBLE_DEVICES="")
     # the gpu-marked tests get at most half the stage's time (or 4 minutes): a hung one must leave the rest theirs
-    left = run.left_s("tests")
-    if args.gpu_tests_only:  # they take about 70 s on 4 workers (H100): a small budget's share must not cut them
-        left = max(left, min(run.deadline - time.monotonic(), GPU_TESTS_S))
+    left = gpu_tests_seconds(run, args.gpu_tests_only)
     workers = args.pytest_workers
     if workers is None:
         workers = min(8, (os.cpu_count() or 1) // 2) if (os.cpu_count() or 1) >= 8 else 0
     parallel = ["-n", str(workers), "--dist", "loadfile"] if workers > 1 and importlib.util.find_spec("xdist") else []
     # the gpu-marked tests share the one GPU between at most 4 workers (each job takes well under 1 GiB of it)
     gpu_parallel = ["-n", str(min(workers, 4)), "--dist", "loadfile"] if parallel else []
-    rc, out = run.command(base + ["-m", "gpu", *gpu_parallel],
-                          left if args.gpu_tests_only else min(left, max(240.0, left / 2)),
+    rc, out = run.command(base + ["-m", "gpu", *gpu_parallel], left,
                           env=env.environ_snapshot() if run.cuda else hidden)
     gpu = pytest_summary(rc, out)
     if run.cuda:
