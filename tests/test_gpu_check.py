@@ -99,8 +99,8 @@ def test_lanes_start_when_their_hosts_fit_and_ddp_runs_first():
         "ddp", "qadam", "decentralized:peer_selection_mode=shift_one", "ddp_powersgd", "ddp_fp16"]
 
 
-def test_gpu_tests_only_skips_the_rest_and_keeps_its_time(tmp_path):
-    # the gpu-marked tests alone (what a short device call runs), with a budget whose share would be under a minute
+def test_gpu_tests_only_skips_the_rest(tmp_path):
+    # the gpu-marked tests alone, as a short device call runs them
     args = ["--stage", "tests,network", "--gpu-tests-only", "--dry-run", "--budget-s", "100",
             "--tests-path", "tests/gpu/test_kernels_on_cuda.py", "--network-models", "tiny", "--network-hosts", "2",
             "--network-rates", "100mbit", "--network-systems", "gradient_allreduce", "--network-warmup", "1",
