@@ -20,20 +20,12 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)  # benchmarks/codec.py, also when gpu_check loads this file by its path
 
 from bagua.torch_api import compression as codec  # noqa: E402
-
-try:
-    from codec import timed_together  # noqa: E402  (run as a script: benchmarks/ is on sys.path)
-except ImportError:  # loaded by file path from gpu_check
-    import importlib.util
-
-    _spec = importlib.util.spec_from_file_location("_bagua_codec_bench", os.path.join(os.path.dirname(
-        os.path.abspath(__file__)), "codec.py"))
-    _mod = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(_mod)
-    timed_together = _mod.timed_together
+from codec import timed_together  # noqa: E402 - the codec benchmark's round-robin timer
 
 
 def _minmax(x: torch.Tensor) -> torch.Tensor:

@@ -160,8 +160,7 @@ def stage_tests(run: Run, args: argparse.Namespace) -> dict:
 
     base = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rfEsxX", *args.tests_path]
     hidden = dict(env.environ_snapshot(), CUDA_VISIBLE_DEVICES="")
-    # the gpu-marked tests get at most half the stage's time (or 4 minutes): a hung one must leave the rest theirs
-    left = gpu_tests_seconds(run, args.gpu_tests_only)
+    left = gpu_tests_seconds(run, args.gpu_tests_only)  # a hung gpu test must leave the rest of the suite its time
     workers = args.pytest_workers
     if workers is None:
         workers = min(8, (os.cpu_count() or 1) // 2) if (os.cpu_count() or 1) >= 8 else 0
@@ -274,10 +273,9 @@ def stage_codec(run: Run, args: argparse.Namespace) -> dict:
     blocks = _benchmark_script("codec").bench_blocks(args.codec_elements, args.codec_block, args.codec_chunks,
                                                      torch.device(device), args.repeats)
     for r in blocks:
-        share = 4 * r["numel"] / (r["ms"] / 1e3) / copy_bps
-        r["of_copy"] = round(share, 4)
+        r["of_copy"] = round(r["gb_per_s"] * 1e9 / copy_bps, 4)
         run.say(f"codec: {device} block-wise {r['codec']} {r['op']} (block {r['block']}): {r['ms']:.2f} ms, "
-                f"{4 * r['numel'] / r['ms'] / 1e6:.1f} GB/s of float32 = {share:.0%} of the copy")
+                f"{r['gb_per_s']:.1f} GB/s of float32 = {r['of_copy']:.0%} of the copy")
     compiled = None
     if run.cuda:  # the torch.compile'd codec (Triton): speed and codes that differ from the eager codec's
         try:

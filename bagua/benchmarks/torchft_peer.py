@@ -22,7 +22,6 @@ Example (as root, 2 emulated hosts at 100 Mbit/s)::
 
 from __future__ import annotations
 
-import os
 import socket
 from datetime import timedelta
 from typing import Callable, Optional
@@ -30,7 +29,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["NAME", "available", "bind_to", "local_address", "torchft_diloco"]
+from bagua.torch_api import env
+from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+
+__all__ = ["NAME", "available", "bind_to", "torchft_diloco"]
 
 NAME = "torchft_diloco"
 _ADDRESS_BYTES = 256
@@ -41,13 +43,6 @@ def available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("torchft") is not None
-
-
-def local_address(peer: str) -> str:
-    """This host's address on the route to ``peer`` (a UDP ``connect`` sends nothing; it only picks the route)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((peer, 9))
-        return s.getsockname()[0]
 
 
 def bind_to(host: str) -> None:
@@ -84,13 +79,15 @@ def _share_address(address: Optional[str]) -> str:
     return bytes(buf[buf != 0].tolist()).decode()
 
 
-def torchft_diloco(model: torch.nn.Module, make_inner: Callable, sync_every: int = 10, outer_lr: float = 0.7,
-                   outer_momentum: float = 0.9, nesterov: bool = True,
+def torchft_diloco(model: torch.nn.Module, make_inner: Callable, sync_every: int = DiLoCoAlgorithm.sync_every,
+                   outer_lr: float = DiLoCoAlgorithm.outer_lr, outer_momentum: float = DiLoCoAlgorithm.outer_momentum,
+                   nesterov: bool = DiLoCoAlgorithm.nesterov,
                    timeout_s: float = 300.0) -> tuple[torch.optim.Optimizer, Callable[[], None], str]:
     """``model`` trained by torchft's ``DiLoCo`` across the default group's ranks, one replica per rank.
 
     ``make_inner(params)`` builds the inner optimizer; the outer one is SGD with ``outer_lr``, ``outer_momentum``
-    and Nesterov (when the momentum is not 0). Returns the inner optimizer (the one the loop steps), ``close``
+    and Nesterov (when the momentum is not 0). The defaults are ``diloco``'s, so that the two systems named without
+    arguments train alike (and the suite times whole rounds of either, :func:`~bagua.benchmarks.systems.steps_per_round`). Returns the inner optimizer (the one the loop steps), ``close``
     (leaves the DiLoCo context, shuts the manager down and, on rank 0, the lighthouse, after a barrier: no rank is
     still in a quorum) and a note for the results.
     """
@@ -98,7 +95,7 @@ def torchft_diloco(model: torch.nn.Module, make_inner: Callable, sync_every: int
     from torchft.local_sgd import DiLoCo
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+    host = env.node_address()
     bind_to(host)
     lighthouse = None
     if rank == 0:

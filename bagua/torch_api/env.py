@@ -17,39 +17,13 @@ import socket
 from typing import Mapping, MutableMapping, Optional
 
 __all__ = [
-    "get_world_size",
-    "get_rank",
-    "get_local_rank",
-    "get_local_size",
-    "get_node_rank",
-    "get_default_bucket_size",
-    "get_master_addr",
-    "get_master_port",
-    "get_bagua_service_port",
-    "is_report_metrics_switch_on",
-    "get_autotune_level",
-    "get_autotune_max_samples",
-    "get_autotune_sampling_confidence_time_s",
-    "get_autotune_warmup_time_s",
-    "get_is_output_autotune_log",
-    "get_autotune_server_wait_time",
-    "get_comm_timeout_s",
-    "get_cache_dir",
-    "is_launched",
-    "find_free_network_port",
-    "get_str",
-    "get_int",
-    "get_float",
-    "get_bool",
-    "environ_snapshot",
-    "set_default",
-    "is_slurm_job",
-    "slurm_first_host",
-    "slurm_master_port",
-    "slurm_tasks_on_node",
-    "slurm_process_env",
-    "get_ssh_port",
-    "get_node_domain_names",
+    "get_world_size", "get_rank", "get_local_rank", "get_local_size", "get_node_rank", "get_default_bucket_size",
+    "get_master_addr", "get_master_port", "node_address", "get_bagua_service_port", "is_report_metrics_switch_on",
+    "get_autotune_level", "get_autotune_max_samples", "get_autotune_sampling_confidence_time_s",
+    "get_autotune_warmup_time_s", "get_is_output_autotune_log", "get_autotune_server_wait_time",
+    "get_comm_timeout_s", "get_cache_dir", "is_launched", "find_free_network_port", "get_str", "get_int",
+    "get_float", "get_bool", "environ_snapshot", "set_default", "is_slurm_job", "slurm_first_host",
+    "slurm_master_port", "slurm_tasks_on_node", "slurm_process_env", "get_ssh_port", "get_node_domain_names",
 ]
 
 #: Allocator settings that make large, short-lived CPU tensors cheap on Linux: without them every fresh 100 MB
@@ -158,6 +132,23 @@ def get_master_addr() -> str:
 def get_master_port() -> int:
     """Port of the rendezvous store (``MASTER_PORT``, default 29500)."""
     return get_int("MASTER_PORT", 29500)
+
+
+def node_address() -> str:
+    """The address on which peers reach this node's servers: loopback for a single-node job or a loopback master,
+    else the local address that routes to ``MASTER_ADDR`` (a UDP ``connect`` sends nothing; it picks the route)."""
+    import ipaddress
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or get_local_size() >= dist.get_world_size():
+        return "127.0.0.1"
+    master = socket.gethostbyname(get_master_addr())
+    if ipaddress.ip_address(master).is_loopback:
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((master, get_master_port()))
+        return probe.getsockname()[0]
 
 
 def get_bagua_service_port() -> int:

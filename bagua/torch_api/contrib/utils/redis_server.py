@@ -12,7 +12,6 @@ Part of :mod:`bagua.torch_api.contrib.utils.redis_store`, which re-exports these
 
 from __future__ import annotations
 
-import ipaddress
 import multiprocessing.util
 import os
 import secrets
@@ -157,25 +156,13 @@ def _stop_server() -> None:
         _SERVER.clear()
 
 
-def _node_address() -> str:
-    """Loopback for a single-node job or a loopback master, else the local address that routes to the master."""
-    if not (dist.is_available() and dist.is_initialized()) or env.get_local_size() >= dist.get_world_size():
-        return "127.0.0.1"
-    master = socket.gethostbyname(env.get_master_addr())
-    if ipaddress.ip_address(master).is_loopback:
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((master, env.get_master_port()))  # UDP connect sends nothing; it only picks the route
-        return probe.getsockname()[0]
-
-
 def _job_servers(capacity: int, policy: str, bind: Optional[str]) -> list[dict[str, Any]]:
     """Start this node's server on local rank 0 and return every node's server, in rank order."""
     if not (dist.is_available() and dist.is_initialized()):
         return [start_redis_server(bind or "127.0.0.1", capacity, policy)]
     mine = ""
     if env.get_local_rank() == 0:
-        info = start_redis_server(bind or _node_address(), capacity, policy)
+        info = start_redis_server(bind or env.node_address(), capacity, policy)
         mine = f"{info['host']} {info['port']} {info['password']}"
     found = _all_gather_strings(mine)
     hosts = []
