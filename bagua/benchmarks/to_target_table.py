@@ -221,24 +221,26 @@ def validate(rows: Sequence[dict]) -> list[dict]:
 
 
 def recommend(table: Sequence[dict]) -> list[str]:
-    """One sentence per (model, hosts, bandwidth): the system to pick there, and whether it beats DDP on every
-    seed."""
+    """One sentence per (model, hosts, bandwidth): the system to pick there, the quickest on the median of those
+    faster than DDP on every seed (DDP when none is), naming a quicker median that is within DDP's spread."""
     out = []
     for key in dict.fromkeys((c["model"], c["hosts"], c["bandwidth"]) for c in table):
         cells = [c for c in table if (c["model"], c["hosts"], c["bandwidth"]) == key]
-        best = min(cells, key=lambda c: c["time_spread"].median)
+        first = min(cells, key=lambda c: c["time_spread"].median)
+        faster = [c for c in cells if c["system"] != "ddp" and c.get("verdict") == "faster"]
+        best = min(faster, key=lambda c: c["time_spread"].median) if faster else None
         where = f"{key[0]}, {key[1]} hosts, {key[2]}"
-        if not math.isfinite(best["time_spread"].median):
+        ahead = ("" if first["system"] == "ddp" or first is best
+                 else f" ({first['system']} is ahead on the median only, within DDP's spread)")
+        if not math.isfinite(first["time_spread"].median):
             out.append(f"{where}: no system reached the target.")
-        elif best["system"] == "ddp" or best.get("verdict") != "faster":
-            tie = ("" if best["system"] == "ddp"
-                   else f" ({best['system']} is ahead on the median only, within the spread)")
-            out.append(f"{where}: DDP; nothing is faster on every seed{tie}.")
+        elif best is None:
+            out.append(f"{where}: DDP; nothing is faster on every seed{ahead}.")
         else:
             close = [c["system"] for c in cells if c is not best and compare(best["time_spread"], c["time_spread"])
                      != "faster"]
             out.append(f"{where}: {best['system']}, {best['vs_ddp']:.2f}x DDP's time to target on the median, "
-                       f"faster than DDP on every seed; within its spread: {', '.join(close) or 'none'}.")
+                       f"faster than DDP on every seed; within its spread: {', '.join(close) or 'none'}{ahead}.")
     return out
 
 

@@ -159,6 +159,15 @@ def test_validation_recommendations_and_markdown():
     assert "within its spread: none" in recs[2]
     # 100mbit: PowerSGD (about 610 steps x 0.9 s) and ByteGrad (560 x 1.0 s) overlap: both are named
     assert recs[1].startswith("gpt, 2 hosts, 100mbit: ddp_powersgd") and "within its spread: bytegrad" in recs[1]
+    # the quickest median within DDP's spread is named, and the pick is the quickest of those faster on every seed
+    edited = [dict(c) for c in table]
+    quickest = min((c for c in edited if c["bandwidth"] == "100mbit" and c["system"] != "ddp"),
+                   key=lambda c: c["time_spread"].median)
+    assert quickest["system"] == "ddp_powersgd"
+    quickest["verdict"] = "within"
+    rec = to_target_table.recommend(edited)[1]
+    assert rec.startswith("gpt, 2 hosts, 100mbit: bytegrad") and "faster than DDP on every seed" in rec
+    assert rec.endswith("(ddp_powersgd is ahead on the median only, within DDP's spread).")
     md = to_target_table.format_markdown(table)
     assert "| async | real runs |" in md and " *" in md and " +" in md and " -" in md
     assert "| DDP comm / compute = GPU setting |" in md and "H100" in md
