@@ -87,9 +87,10 @@ def torchft_diloco(model: torch.nn.Module, make_inner: Callable, sync_every: int
 
     ``make_inner(params)`` builds the inner optimizer; the outer one is SGD with ``outer_lr``, ``outer_momentum``
     and Nesterov (when the momentum is not 0). The defaults are ``diloco``'s, so that the two systems named without
-    arguments train alike (and the suite times whole rounds of either, :func:`~bagua.benchmarks.systems.steps_per_round`). Returns the inner optimizer (the one the loop steps), ``close``
-    (leaves the DiLoCo context, shuts the manager down and, on rank 0, the lighthouse, after a barrier: no rank is
-    still in a quorum) and a note for the results.
+    arguments train alike (and the suite times whole rounds of either,
+    :func:`~bagua.benchmarks.systems.steps_per_round`). Returns the inner optimizer (the one the loop steps),
+    ``close`` (leaves the DiLoCo context, shuts the manager down and, on rank 0, the lighthouse, after a barrier: no
+    rank is still in a quorum) and a note for the results.
     """
     from torchft import Manager, ProcessGroupGloo
     from torchft.local_sgd import DiLoCo
