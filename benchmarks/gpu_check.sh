@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every CUDA path of Bagua in one command, for a lent GPU machine (docs/gpu.md):
 #
-#   benchmarks/gpu_check.sh OUT_DIR [--stage install,tests,codec,network,latency] [--wheels .whl] [--budget-s 540] ...
+#   benchmarks/gpu_check.sh OUT_DIR [--stage install,tests,codec,step,network,latency] [--wheels .whl] [--budget-s 540] ...
 #   benchmarks/gpu_check.sh --fetch .whl     # where PyPI (and apt) work: the wheels (and iproute2 .debs) to carry
 #
 # It writes OUT_DIR/gpu_check.json and gpu_check.log (and the network stages' CSV/JSON). Without CUDA the same

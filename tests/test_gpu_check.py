@@ -18,9 +18,10 @@ import pytest
 from bagua.benchmarks import gpu_check, gpu_check_network
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--stage", "install,tests,codec,network,latency", "--dry-run", "--budget-s", "300",
+TINY = ["--stage", "install,tests,codec,step,network,latency", "--dry-run", "--budget-s", "300",
         "--tests-path", "tests/gpu/test_kernels_on_cuda.py", "--codec-elements", "4096", "--codec-chunks", "2",
         "--repeats", "2", "--adam-params", "2", "--adam-shape", "8",
+        "--step-models", "gpt_tiny", "--step-steps", "2", "--step-warmup", "1", "--step-batch-scales", "1,2",
         "--network-hosts", "2", "--network-models", "tiny", "--network-rates", "100mbit",
         "--network-systems", "gradient_allreduce", "--network-warmup", "1", "--network-steps", "1",
         "--latency-ms", "0,5", "--latency-systems", "ddp", "--latency-model", "tiny", "--latency-rate", "100mbit"]
@@ -47,9 +48,9 @@ def test_every_stage_runs_and_succeeds(dry_run):
 def test_each_cuda_part_is_skipped_with_one_line(dry_run):
     proc, _, out = dry_run
     skips = [line for line in proc.stdout.splitlines() if "SKIP (no CUDA)" in line]
-    assert [line.split(":")[0] for line in skips] == ["tests", "codec", "fused adam"], skips
+    assert [line.split(":")[0] for line in skips] == ["tests", "codec", "fused adam", "step"], skips
     with open(out / "gpu_check.log") as f:
-        assert f.read().count("SKIP (no CUDA)") == 3
+        assert f.read().count("SKIP (no CUDA)") == 4
 
 
 def test_stages_report_what_they_measured(dry_run):
@@ -61,6 +62,9 @@ def test_stages_report_what_they_measured(dry_run):
     assert [r["op"] for r in stages["codec"]["codec"]] == ["encode", "decode"]
     assert all(r["gb_per_s"] > 0 and r["of_copy"] > 0 for r in stages["codec"]["codec"])
     assert {"unfused", "fused", "foreach"} <= set(stages["codec"]["fused_adam_ms"])
+    assert [(r["precision"], r["batch_size"]) for r in stages["step"]["rows"]] == [
+        ("fp32", 4), ("fp32", 8), ("bf16", 4), ("bf16", 8)]
+    assert all(0 < r["p10_s"] <= r["median_s"] <= r["p90_s"] for r in stages["step"]["rows"])
     (row,) = stages["network"]["rows"]
     assert (row["system"], row["status"]) == ("gradient_allreduce", "ok"), row.get("error")
     assert (out / "network.csv").exists()

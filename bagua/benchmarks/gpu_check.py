@@ -13,7 +13,8 @@ stages (``--stage``, run in this order) write what they find to ``OUT_DIR/gpu_ch
 3. ``codec``: MinMaxUInt8 encode and decode of ``--codec-elements`` (64 Mi) float32 in GB/s against the card's
    device-to-device copy (bytes read plus written); the goal is 40 % each. Then torch's fused Adam against
    ``fuse_optimizer`` (with the timing functions of ``benchmarks/codec.py`` and ``benchmarks/fused_optimizer.py``).
-4. ``network`` and ``latency``: :mod:`bagua.benchmarks.gpu_check_network`.
+4. ``step`` (:mod:`~bagua.benchmarks.gpu_step`): the GPT's and the ResNet's training step on the GPU, fp32 and bf16.
+5. ``network`` and ``latency``: :mod:`bagua.benchmarks.gpu_check_network`.
 
 Without CUDA (or with ``--dry-run``) every stage still runs and each part that needs CUDA says so in one
 ``SKIP (no CUDA)`` line: the gpu-marked tests skip, the codec and the fused Adam are timed on CPU at the sizes
@@ -46,13 +47,14 @@ import traceback
 from typing import Optional, Sequence
 
 from bagua.benchmarks.gpu_check_install import ROOT, fetch, stage_install
+from bagua.benchmarks.gpu_step import add_stage_arguments, stage_step
 
-__all__ = ["STAGES", "RESERVE_S", "Run", "pytest_summary", "gpu_tests_seconds", "stage_tests", "copy_bandwidth", "codec_speeds",
-           "stage_codec", "parse_args", "main"]
+__all__ = ["STAGES", "RESERVE_S", "Run", "pytest_summary", "gpu_tests_seconds", "stage_tests", "copy_bandwidth",
+           "codec_speeds", "stage_codec", "parse_args", "main"]
 
-STAGES = ("install", "tests", "codec", "network", "latency")
+STAGES = ("install", "tests", "codec", "step", "network", "latency")
 #: Seconds a stage keeps for itself from the stages before it in the same call.
-RESERVE_S = {"install": 30, "tests": 120, "codec": 90, "network": 300, "latency": 150}
+RESERVE_S = {"install": 30, "tests": 120, "codec": 90, "step": 60, "network": 300, "latency": 150}
 CODEC_GOAL = 0.40
 #: Seconds the gpu-marked tests get at least with ``--gpu-tests-only`` (they took 68-71 s on the H100, 4 workers).
 GPU_TESTS_S = 150.0
@@ -333,6 +335,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--adam-params", type=int, default=100, help="parameters of the fused Adam comparison")
     p.add_argument("--adam-shape", type=int, default=1024, help="each an N x N matrix")
     add_arguments(p)
+    add_stage_arguments(p)
     args = p.parse_args(argv)
     args.stages = [s.strip() for s in args.stage.split(",") if s.strip()]
     unknown = [s for s in args.stages if s not in STAGES]
@@ -373,7 +376,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     where = run.results["meta"].get("gpu", "none: a dry run, the CUDA parts are skipped with one line each")
     run.say(f"gpu_check: stages {','.join(args.stages)}, budget {args.budget_s:.0f} s, torch {torch.__version__}, "
             f"CUDA: {where}")
-    stages = {"install": stage_install, "tests": stage_tests, "codec": stage_codec,
+    stages = {"install": stage_install, "tests": stage_tests, "codec": stage_codec, "step": stage_step,
               "network": gpu_check_network.stage_network, "latency": gpu_check_network.stage_latency}
     for name in args.stages:
         run.say(f"== {name} ({max(run.left_s(name), 0):.0f} s of the budget)")

@@ -23,8 +23,8 @@ Example:
     >>> comm, ratio = ddp_comm_ratio(10_800_000, 2, 100_000_000, 0.75, fit, cores=2)
     >>> round(comm, 1), round(ratio, 1)
     (3.6, 4.9)
-    >>> round(gpu_link_gbits(ratio, 10_800_000, 2, 0.0075, fit))
-    19
+    >>> round(gpu_link_gbits(ratio, 10_800_000, 2, 0.00877, fit))
+    16
 """
 
 from __future__ import annotations
@@ -43,19 +43,20 @@ GPUS_PER_NODE = 8
 GPU_LATENCY_S = 20e-6  # assumed, as for the paper's data centre (cost_paper.PAPER_LATENCY_S)
 DDP_BUCKET_BYTES = 25 * 2**20
 
-#: Per-GPU compute of one step (forward, backward, Adam) on an H100 at the suite's per-host batch. ASSUMED, not
-#: measured: no GPU was lent to the sessions that wrote this (override with ``--gpu-step MODEL=SECONDS``).
-GPU_STEP_S: dict[str, float] = {"gpt": 7.5e-3, "resnet": 2e-3}
+#: Per-GPU compute of one step (forward, backward, Adam, reading the loss) on an H100 at the suite's per-host batch
+#: in float32: MEASURED on one H100 80GB HBM3, torch 2.11, 2026-11-26 (median of 60 steps,
+#: ``benchmarks/gpu_check.sh OUT --stage install,step``; docs/gpu.md). Override with ``--gpu-step MODEL=SECONDS``.
+GPU_STEP_S: dict[str, float] = {"gpt": 8.77e-3, "resnet": 4.12e-3}
 GPU_STEP_SOURCES: dict[str, str] = {
-    "gpt": "assumed: issue 26's '~100x slower on these CPUs' applied to the GPT's ~0.75 s CPU step (1024 tokens, "
-           "10.8 M parameters: ~70 GFLOP, launch-bound at this size on an H100)",
-    "resnet": "assumed: ~100 kernel launches of ~10-20 us (a 0.17 M-parameter ResNet on 8x8 images is "
-              "launch-bound); other models: the CPU step / 100",
+    "gpt": "measured: H100, fp32, 8 x 128 tokens, median of 60 steps 8.77 ms (launch-bound: 17.9 ms at 8x the "
+           "batch, 59.5 ms at 32x; bf16 autocast 13.3 ms at this batch)",
+    "resnet": "measured: H100, fp32, batch 32 of 8x8 digits, median of 60 steps 4.12 ms (launch-bound: 5.57 ms at "
+              "32x the batch); other models: the CPU step / 100",
 }
 
 
 def gpu_step_s(model: str, cpu_compute_s: float, overrides: Optional[dict[str, float]] = None) -> float:
-    """The assumed H100 step of ``model``: ``overrides``, then :data:`GPU_STEP_S`, else the CPU step / 100."""
+    """The H100 step of ``model``: ``overrides``, then :data:`GPU_STEP_S`, else the CPU step / 100."""
     table = {**GPU_STEP_S, **(overrides or {})}
     return table.get(model, cpu_compute_s / 100)
 

@@ -277,7 +277,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                         "x step time, e.g. ddp@1gbit (repeatable)")
     p.add_argument("--gpu-step", action="append", default=[], metavar="MODEL=SECONDS",
                    help="with --to-target: a model's per-GPU H100 step for the GPU-mapping column (default: "
-                        "gpu_mapping.GPU_STEP_S, assumed)")
+                        "gpu_mapping.GPU_STEP_S, measured on an H100)")
     p.add_argument("--job-timeout", type=float, default=900.0, help="seconds before a run is killed")
     p.add_argument("--loopback", action="store_true", help="do not emulate a network even as root")
     p.add_argument("--out-dir", default="bagua-bench-results", help="where JSON/CSV/PNG go ('' for none)")

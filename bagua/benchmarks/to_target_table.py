@@ -222,16 +222,23 @@ def validate(rows: Sequence[dict]) -> list[dict]:
 
 def recommend(table: Sequence[dict]) -> list[str]:
     """One sentence per (model, hosts, bandwidth): the system to pick there, the quickest on the median of those
-    faster than DDP on every seed (DDP when none is), naming a quicker median that is within DDP's spread."""
+    faster than DDP on every seed and measured on at least as many seeds as DDP (DDP when none is), naming a
+    quicker median that is within DDP's spread and a system faster on fewer seeds than DDP's."""
     out = []
     for key in dict.fromkeys((c["model"], c["hosts"], c["bandwidth"]) for c in table):
         cells = [c for c in table if (c["model"], c["hosts"], c["bandwidth"]) == key]
         first = min(cells, key=lambda c: c["time_spread"].median)
+        seeds = max((c["time_spread"].n for c in cells if c["system"] == "ddp"), default=1)
         faster = [c for c in cells if c["system"] != "ddp" and c.get("verdict") == "faster"]
+        few = [c for c in faster if c["time_spread"].n < seeds]
+        faster = [c for c in faster if c["time_spread"].n >= seeds]
         best = min(faster, key=lambda c: c["time_spread"].median) if faster else None
         where = f"{key[0]}, {key[1]} hosts, {key[2]}"
-        ahead = ("" if first["system"] == "ddp" or first is best
+        ahead = ("" if first["system"] == "ddp" or first is best or first in few
                  else f" ({first['system']} is ahead on the median only, within DDP's spread)")
+        ahead += "".join(f" ({c['system']} is faster on its {c['time_spread'].n} seed(s), fewer than DDP's {seeds}: "
+                         "not counted)" for c in few
+                         if best is None or c["time_spread"].median < best["time_spread"].median)
         if not math.isfinite(first["time_spread"].median):
             out.append(f"{where}: no system reached the target.")
         elif best is None:

@@ -37,7 +37,8 @@ def test_timeline_records_every_phase_in_order(tmp_path, noop):
         codec = sum(rank["codec_cpu_ms_per_step"].values())
         assert (codec < 2.0) if noop else (codec > 5.0), rank["codec_cpu_ms_per_step"]
         assert "main" in rank["thread_cpu_ms_per_step"], rank
-        assert any(name.startswith("gloo") for name in rank["thread_cpu_ms_per_step"]), rank
+        # other threads (the communication thread, gloo's): torch 2.13 names gloo's "gloo*", 2.11 does not
+        assert set(rank["thread_cpu_ms_per_step"]) - {"main"}, rank
     assert "events (ms from step start)" in run.stdout
 
 

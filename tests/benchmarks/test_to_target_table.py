@@ -168,6 +168,12 @@ def test_validation_recommendations_and_markdown():
     rec = to_target_table.recommend(edited)[1]
     assert rec.startswith("gpt, 2 hosts, 100mbit: bytegrad") and "faster than DDP on every seed" in rec
     assert rec.endswith("(ddp_powersgd is ahead on the median only, within DDP's spread).")
+    # a system faster on fewer seeds than DDP's is named, not picked
+    one_seed = combine(_conv("ddp", [500, 480, 520]) + _conv("ddp_fp16", [300])
+                       + [_step(s, "unshaped", None, 1.0) for s in ("ddp", "ddp_fp16")], FIT)
+    (rec,) = to_target_table.recommend(one_seed)
+    assert rec.startswith("gpt, 2 hosts, unshaped: DDP; nothing is faster on every seed")
+    assert "(ddp_fp16 is faster on its 1 seed(s), fewer than DDP's 3: not counted)" in rec
     md = to_target_table.format_markdown(table)
     assert "| async | real runs |" in md and " *" in md and " +" in md and " -" in md
     assert "| DDP comm / compute = GPU setting |" in md and "H100" in md
