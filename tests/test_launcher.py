@@ -24,8 +24,9 @@ def _finals(out):
 
 
 def test_launch_with_original_flags(tmp_path):
-    proc = _run(["bagua.distributed.launch", "--nproc_per_node=2", "--set_additional_flag",
-                 "--default_bucket_size=1MiB", SCRIPT, str(tmp_path), "4"])
+    # a free port, not the default 29500: other launches may run at the same time (pytest-xdist)
+    proc = _run(["bagua.distributed.launch", "--nproc_per_node=2", f"--master_port={_free_port()}",
+                 "--set_additional_flag", "--default_bucket_size=1MiB", SCRIPT, str(tmp_path), "4"])
     assert proc.returncode == 0, proc.stderr[-3000:]
     r0, r1 = _finals(tmp_path)
     assert_close(r0["params"], r1["params"], rtol=0, atol=0)

@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+from bagua.torch_api.env import find_free_network_port
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = os.path.join(ROOT, "docs", "writing_algorithms.md")
 
@@ -24,7 +26,9 @@ def test_the_pages_script_runs_as_shown(tmp_path):
         script.write_text(_first_script(f.read()))
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(
-        [sys.executable, "-m", "bagua.distributed.launch", "--nproc_per_node=2", str(script)],
+        # the page's command, on a free port rather than the default 29500 (other launches may run meanwhile)
+        [sys.executable, "-m", "bagua.distributed.launch", "--nproc_per_node=2",
+         f"--master_port={find_free_network_port()}", str(script)],
         env=env, cwd=str(tmp_path), capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
