@@ -282,9 +282,20 @@ def format_markdown(table: Sequence[dict]) -> str:
 
 
 def format_validation(checks: Sequence[dict]) -> str:
-    """One line per validation: real and combined time, their ratio, and whether they agree."""
+    """One line per check: real and combined time, their ratio, and whether they agree.
+
+    Requested validations (``--validate``, the ``validation`` phase) say ``agrees`` or ``DISAGREES``. The
+    convergence runs' own clocks are only cross-checks: those runs are meant to be run beside other work (their
+    steps do not depend on load), so a ratio above 1 there says the machine was busy, not that the method failed.
+    """
+    def verdict(c: dict) -> str:
+        if c["phase"] == "validation":
+            return f"{'agrees' if c['agrees'] else 'DISAGREES'} (tolerance {VALIDATION_TOLERANCE:.0%})"
+        return ("within" if c["agrees"] else "outside") + (
+            f" {VALIDATION_TOLERANCE:.0%}; cross-check only: the convergence run's own clock, slower when it ran "
+            "beside other work")
+
     return "\n".join(
         f"{c['model']} {c['hosts']} hosts {c['bandwidth']} {c['system']} seed {c['seed']} ({c['phase']}): real "
         f"{c['real_s']:.1f} s in {c['real_steps']} steps, steps x step {c['combined_s']:.1f} s in {c['steps']} "
-        f"steps: ratio {c['ratio']:.3f}, {'agrees' if c['agrees'] else 'DISAGREES'} (tolerance "
-        f"{VALIDATION_TOLERANCE:.0%})" for c in checks)
+        f"steps: ratio {c['ratio']:.3f}, {verdict(c)}" for c in checks)
