@@ -292,8 +292,8 @@ def format_validation(checks: Sequence[dict]) -> str:
         if c["phase"] == "validation":
             return f"{'agrees' if c['agrees'] else 'DISAGREES'} (tolerance {VALIDATION_TOLERANCE:.0%})"
         return ("within" if c["agrees"] else "outside") + (
-            f" {VALIDATION_TOLERANCE:.0%}; cross-check only: the convergence run's own clock, slower when it ran "
-            "beside other work")
+            f" {VALIDATION_TOLERANCE:.0%}; cross-check only: the convergence run's own clock, which counts any "
+            "work run beside it")
 
     return "\n".join(
         f"{c['model']} {c['hosts']} hosts {c['bandwidth']} {c['system']} seed {c['seed']} ({c['phase']}): real "
