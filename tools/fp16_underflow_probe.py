@@ -1,9 +1,9 @@
 """How much of the GPT's gradient torch's ``fp16_compress_hook`` pushes out of fp16's normal range.
 
 The hook casts each bucket to float16 and then divides it by the world size. This probe trains the benchmark GPT
-in one process (Adam, lr 1e-3, batch 8 x 128 bytes of the suite's text) and, at a few steps, reports the share of the
-nonzero gradient entries that the cast-then-divide flushes to zero, and the share left below fp16's smallest normal
-number (6.1e-5, where precision starts to drop), for a world of 2 and of 4.
+in one process on the suite's own batches of rank 0 (seed 0, Adam at the suite's learning rate) and, at a few
+steps, reports the share of the nonzero gradient entries that the cast-then-divide flushes to zero, and the share
+left below fp16's smallest normal number (6.1e-5, where precision starts to drop), for a world of 2 and of 4.
 
     .venv/bin/python tools/fp16_underflow_probe.py            # about a minute on one core
 """
@@ -12,25 +12,21 @@ from __future__ import annotations
 
 import torch
 
-from bagua.benchmarks.gpt import load_text
-from bagua.benchmarks.models import build_model
+from bagua.benchmarks.gpt import TextBatches, lm_loss, load_text
+from bagua.benchmarks.models import MODELS, build_model
 
 FP16_MIN_NORMAL = 6.1e-5
 
 
 def main(steps: tuple[int, ...] = (0, 10, 20, 40), worlds: tuple[int, ...] = (2, 4)) -> None:
     torch.set_num_threads(1)
+    spec = MODELS["gpt"]
     model = build_model("gpt", 0)
-    train, _ = load_text()
-    gen = torch.Generator().manual_seed(0)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batches = TextBatches(load_text()[0], spec.batch_size, spec.in_shape[0], seed=0, rank=0)
+    opt = torch.optim.Adam(model.parameters(), lr=spec.lr)
     for step in range(max(steps) + 1):
-        starts = torch.randint(0, len(train) - 129, (8,), generator=gen)
-        x = torch.stack([train[i:i + 128] for i in starts]).long()
-        y = torch.stack([train[i + 1:i + 129] for i in starts]).long()
-        out = model(x)
-        logits = out[0] if isinstance(out, tuple) else out
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1))
+        x, y = batches.batch(step)
+        loss = lm_loss(model(x), y)
         opt.zero_grad()
         loss.backward()
         if step in steps:
