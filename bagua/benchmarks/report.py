@@ -345,16 +345,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m bagua.benchmarks.report A.json B.json --out-dir D --name N``: merge runs into one table,
     JSON, CSV and plot (speedups stay relative to the DDP run of the same file and configuration).
 
-    ``python -m bagua.benchmarks.report docs/results/X.json`` (no ``--name``) re-renders ``X.png`` (and
-    ``X-to-target.png`` for a ``--to-target`` run) from the
-    results already in ``X.json``, and writes nothing else: no benchmark is run again.
+    ``python -m bagua.benchmarks.report docs/results/X.json`` (no ``--name``) re-renders ``X.png`` (and, for a
+    ``--to-target`` run, ``X-table.md``, ``X-vs-bandwidth.png`` and ``X-to-target.png``) from the results already
+    in ``X.json``, and writes nothing else: no benchmark is run again (a table whose wording changed, say).
     """
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m bagua.benchmarks.report", description=main.__doc__.splitlines()[0])
     p.add_argument("inputs", nargs="+", help="JSON files written by bagua-bench")
     p.add_argument("--out-dir", default=None, help="where to write (default: beside the first input)")
-    p.add_argument("--name", default=None, help="name of the merged results; without it: only re-render plots")
+    p.add_argument("--name", default=None, help="name of the merged results; without it: only re-render the plots and tables")
     p.add_argument("--markdown", action="store_true", help="also write <name>.md (a Markdown table)")
     args = p.parse_args(argv)
     if args.name is None:
@@ -367,6 +367,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if any(r.get("status") == "ok" and r.get("speedup") is not None for r in speed):
                 print("wrote " + plot(speed, out + ".png", caption=caption_for(meta)))
             if any(r.get("phase") for r in rows):
+                with open(out + "-table.md", "w") as f:
+                    f.write(format_time_to_target(rows, meta) + "\n")
+                print("wrote " + out + "-table.md")
                 table = time_to_target_results(rows, meta)["table"]
                 print("wrote " + plot_time_vs_bandwidth(table, out + "-vs-bandwidth.png",
                                                         caption=caption_for(meta, what="median of seeds, bars: range")))

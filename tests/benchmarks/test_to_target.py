@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from bagua.benchmarks import to_target, to_target_plan
+from bagua.benchmarks import report, to_target, to_target_plan
 
 
 def _suite(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, list[dict], list[dict]]:
@@ -63,7 +63,13 @@ def test_easy_target_convergence_once_step_time_per_network_and_seeds(tmp_path):
     assert "DDP comm / compute" in done.stdout and "steps x step" in done.stdout
     for png in ("tt-to-target.png", "tt-vs-bandwidth.png"):
         assert (tmp_path / png).read_bytes()[:4] == b"\x89PNG"
-    assert "| ddp |" in (tmp_path / "tt-table.md").read_text()
+    table_md = (tmp_path / "tt-table.md").read_text()
+    assert "| ddp |" in table_md
+    # re-rendered from the stored JSON alone (no --name): the same table, the JSON untouched
+    stored = (tmp_path / "tt.json").read_text()
+    (tmp_path / "tt-table.md").unlink()
+    assert report.main([str(tmp_path / "tt.json")]) == 0
+    assert (tmp_path / "tt-table.md").read_text() == table_md and (tmp_path / "tt.json").read_text() == stored
 
 
 def test_impossible_target_is_not_reached(tmp_path):
