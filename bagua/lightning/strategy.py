@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import inspect
 import itertools
 import logging
 from types import SimpleNamespace
@@ -36,9 +35,11 @@ import torch
 import torch.distributed as dist
 
 import bagua.torch_api as bagua
+from bagua.lightning.process_group import (QADAM_OPTIMIZER_KWARG, broadcast_module_state, check_algorithm_arguments,
+                                           init_bagua_process_group, to_bagua_reduce_op)
 from bagua.torch_api import communication as comm
 from bagua.torch_api import env
-from bagua.torch_api.algorithms import Algorithm, GlobalAlgorithmRegistry
+from bagua.torch_api.algorithms import Algorithm
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.data_parallel import DistributedDataParallel
 
@@ -46,21 +47,9 @@ __all__ = ["BaguaStrategyBase", "LightningBaguaModule", "to_bagua_reduce_op", "i
 
 log = logging.getLogger(__name__)
 
-#: The QAdam algorithm's name and the keyword through which the strategy hands it the optimizer.
+#: The QAdam algorithm's name (its optimizer is handed over as ``QADAM_OPTIMIZER_KWARG``).
 _QADAM = "qadam"
-_QADAM_OPTIMIZER_KWARG = "q_adam_optimizer"
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
-_REDUCE_OPS = {
-    "sum": ReduceOp.SUM,
-    "mean": ReduceOp.AVG,
-    "avg": ReduceOp.AVG,
-    "max": ReduceOp.MAX,
-    "min": ReduceOp.MIN,
-    "product": ReduceOp.PRODUCT,
-    "band": ReduceOp.BAND,
-    "bor": ReduceOp.BOR,
-    "bxor": ReduceOp.BXOR,
-}
 _module_counter = itertools.count()
 
 
@@ -96,99 +85,6 @@ class LightningBaguaModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.module(*args, **kwargs)
-
-
-def to_bagua_reduce_op(reduce_op: Union[str, ReduceOp, dist.ReduceOp, None]) -> ReduceOp:
-    """Translate Lightning's ``reduce_op`` (a name, a ``torch.distributed.ReduceOp`` or ``None`` = sum).
-
-    Example:
-        >>> to_bagua_reduce_op("mean")
-        <ReduceOp.AVG: 10>
-    """
-    if reduce_op is None:
-        return ReduceOp.SUM
-    if isinstance(reduce_op, ReduceOp):
-        return reduce_op
-    if isinstance(reduce_op, str):
-        if reduce_op.lower() not in _REDUCE_OPS:
-            raise ValueError(f"unknown reduce_op {reduce_op!r}; use one of {sorted(_REDUCE_OPS)}")
-        return _REDUCE_OPS[reduce_op.lower()]
-    for op in ReduceOp:
-        if hasattr(dist.ReduceOp, op.name) and reduce_op == getattr(dist.ReduceOp, op.name):
-            return op
-    raise ValueError(f"unsupported reduce_op {reduce_op!r}; use one of {sorted(_REDUCE_OPS)}")
-
-
-def init_bagua_process_group(
-    main_address: str,
-    main_port: int,
-    backend: str,
-    rank: int,
-    world_size: int,
-    local_world_size: int,
-    timeout: datetime.timedelta,
-) -> None:
-    """Initialize ``torch.distributed`` (unless already done) and Bagua's default group for a Lightning job.
-
-    The rendezvous is a TCP store at ``main_address:main_port`` (under ``torchrun`` the agent's store, as
-    ``torch.distributed.rendezvous`` knows). ``backend`` is Lightning's choice for the root device, so a CPU
-    Trainer on a GPU machine still communicates with gloo.
-
-    Args:
-        main_address: host of rank 0.
-        main_port: port of the rendezvous store.
-        backend: ``"gloo"`` or ``"nccl"``.
-        rank: global rank of this process.
-        world_size: number of processes.
-        local_world_size: processes per node (exported as ``LOCAL_WORLD_SIZE``, which Bagua's hierarchical
-            algorithms use).
-        timeout: limit of every collective.
-    """
-    if dist.is_initialized():
-        bagua.init_process_group()
-        return
-    url = f"tcp://{main_address}:{main_port}"
-    store, _, _ = next(dist.rendezvous(url, rank=rank, world_size=world_size, timeout=timeout))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    bagua.init_process_group(store=store, rank=rank, world_size=world_size, local_world_size=local_world_size)
-
-
-def _check_algorithm_arguments(algorithm: Union[str, Algorithm], bagua_kwargs: dict[str, Any]) -> None:
-    """Raise ``ValueError`` for an unknown algorithm name or keyword, before any process is started."""
-    if isinstance(algorithm, Algorithm):
-        if bagua_kwargs:
-            raise ValueError(
-                f"BaguaStrategy got an Algorithm instance and keyword arguments {sorted(bagua_kwargs)}; "
-                "put the hyper-parameters in the instance, or pass the algorithm's name with the keywords"
-            )
-        return
-    if not isinstance(algorithm, str):
-        raise ValueError(
-            f"BaguaStrategy(algorithm=...) takes a registered name such as 'gradient_allreduce' or an Algorithm "
-            f"instance, got {algorithm!r}"
-        )
-    algorithm_cls = GlobalAlgorithmRegistry.get(algorithm)  # ValueError naming the nearest registered names
-    accepted = [p for p in inspect.signature(algorithm_cls).parameters if p != _QADAM_OPTIMIZER_KWARG]
-    if _QADAM_OPTIMIZER_KWARG in bagua_kwargs:
-        raise ValueError(
-            f"BaguaStrategy(algorithm={algorithm!r}) got {_QADAM_OPTIMIZER_KWARG}=...; leave it out: the strategy "
-            "passes the QAdamOptimizer returned by configure_optimizers()"
-        )
-    unknown = sorted(set(bagua_kwargs) - set(accepted))
-    if unknown:
-        raise ValueError(
-            f"BaguaStrategy(algorithm={algorithm!r}) got unknown keyword arguments {unknown}; "
-            f"{algorithm_cls.__name__} accepts {accepted}"
-        )
-
-
-def _broadcast_module_state(module: torch.nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers (evaluation without fitting wraps nothing)."""
-    if not comm.is_initialized() or dist.get_world_size() == 1:
-        return
-    with torch.no_grad():
-        for tensor in itertools.chain(module.parameters(), module.buffers()):
-            comm.broadcast(tensor.data, src=0)
 
 
 class BaguaStrategyBase:
@@ -238,7 +134,7 @@ class BaguaStrategyBase:
         timeout: Optional[datetime.timedelta] = None,
         **bagua_kwargs: Any,
     ) -> None:
-        _check_algorithm_arguments(algorithm, bagua_kwargs)
+        check_algorithm_arguments(algorithm, bagua_kwargs)
         if not isinstance(flatten, bool):
             raise ValueError(f"BaguaStrategy(flatten=...) must be True or False, got {flatten!r}")
         if start_method not in _START_METHODS:
@@ -309,7 +205,7 @@ class BaguaStrategyBase:
             self.setup_optimizers(trainer)
             self._configure_bagua_model(trainer)
         else:
-            _broadcast_module_state(self.model)
+            broadcast_module_state(self.model)
         self.setup_precision_plugin()
         if fitting:
             self._api.optimizers_to_device(self.optimizers, self.root_device)
@@ -341,7 +237,7 @@ class BaguaStrategyBase:
             return self._bagua_algorithm
         kwargs = dict(self._bagua_kwargs)
         if self._bagua_algorithm == _QADAM:
-            kwargs[_QADAM_OPTIMIZER_KWARG] = self._the_qadam_optimizer(optimizers)
+            kwargs[QADAM_OPTIMIZER_KWARG] = self._the_qadam_optimizer(optimizers)
         return Algorithm.init(self._bagua_algorithm, **kwargs)
 
     def _the_qadam_optimizer(self, optimizers: list[torch.optim.Optimizer]) -> torch.optim.Optimizer:
