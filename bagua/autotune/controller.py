@@ -30,7 +30,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import tempfile
 import time
 from dataclasses import asdict
 from typing import Any, Optional
@@ -38,12 +37,12 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from bagua.autotune.log import AutotuneLog
+from bagua.autotune.log import AutotuneLog, default_log_path, describe
 from bagua.autotune.tuner import Hyperparameters, Tuner, TuneResult, TuneSpace, load_tune, save_tune, signature
 from bagua.torch_api import env, multistream
 from bagua.torch_api.bucket import split_bucket_by_bucket_size
 
-__all__ = ["AutotuneController", "bucket_plan", "default_log_path", "describe"]
+__all__ = ["AutotuneController", "bucket_plan", "default_log_path", "describe"]  # the last two: bagua.autotune.log
 
 logger = logging.getLogger(__name__)
 
@@ -418,17 +417,3 @@ class AutotuneController:
                         "attach(..., reload=False), to tune again)", self.tune_file,
                         describe(self.current))
         return True
-
-
-def describe(hp: Hyperparameters) -> str:
-    """``hp`` in words, as the log prints it, e.g. ``bucket 4 MiB, hierarchical off, 1 stream``."""
-    size = hp.bucket_size
-    unit = next((u for u, b in (("MiB", 1 << 20), ("KiB", 1 << 10)) if size >= b), "B")
-    scaled = size / {"MiB": 1 << 20, "KiB": 1 << 10, "B": 1}[unit]
-    streams = f"{hp.num_streams} stream{'s' if hp.num_streams != 1 else ''}"
-    return f"bucket {scaled:g} {unit}, hierarchical {'on' if hp.is_hierarchical_reduce else 'off'}, {streams}"
-
-
-def default_log_path(model_signature: str) -> str:
-    """Where ``--is_output_autotune_log`` writes the CSV log (the temp folder, as in the original)."""
-    return os.path.join(tempfile.gettempdir(), f"bagua_autotune_{model_signature}.csv")

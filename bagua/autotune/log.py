@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import csv
 import os
+import tempfile
 from typing import Optional
 
 from bagua.autotune.tuner import Hyperparameters
 
-__all__ = ["AutotuneLog", "COLUMNS", "read_log", "plot", "figure"]
+__all__ = ["AutotuneLog", "COLUMNS", "read_log", "plot", "figure", "describe", "default_log_path"]
 
 COLUMNS = ["bucket_size_2p", "is_hierarchical_reduce", "score", "train_iter",
            "trial", "kind", "bucket_size", "num_streams", "steps", "window_s"]
@@ -154,3 +155,17 @@ def figure(path: str, title: str = "Bagua autotune"):
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
     return fig
+
+
+def describe(hp: Hyperparameters) -> str:
+    """``hp`` in words, as the log prints it, e.g. ``bucket 4 MiB, hierarchical off, 1 stream``."""
+    size = hp.bucket_size
+    unit = next((u for u, b in (("MiB", 1 << 20), ("KiB", 1 << 10)) if size >= b), "B")
+    scaled = size / {"MiB": 1 << 20, "KiB": 1 << 10, "B": 1}[unit]
+    streams = f"{hp.num_streams} stream{'s' if hp.num_streams != 1 else ''}"
+    return f"bucket {scaled:g} {unit}, hierarchical {'on' if hp.is_hierarchical_reduce else 'off'}, {streams}"
+
+
+def default_log_path(model_signature: str) -> str:
+    """Where ``--is_output_autotune_log`` writes the CSV log (the temp folder, as in the original)."""
+    return os.path.join(tempfile.gettempdir(), f"bagua_autotune_{model_signature}.csv")
