@@ -137,7 +137,7 @@ def codec_passes(system: str, n: int) -> float:
         return (1 + 1 / n) * ENCODE + 2 * DECODE
     if system == "low_precision_decentralized":
         return ENCODE + 2 * DECODE
-    if system == "ddp_fp16":
+    if system in ("ddp_fp16", "ddp_bf16"):
         return FP16_CASTS
     if system == "ddp_powersgd":
         return POWERSGD_PASSES
@@ -246,8 +246,8 @@ def predict(system: str, shapes: Shapes, net: Net, compute_s: float, overlap: fl
     bagua_buckets = bucket_count(shapes.order, net.bagua_bucket_bytes)
     intra = _intra(net, grad, bagua_buckets) if hier else 0.0
     hidden = overlap * compute_s
-    if base in ("ddp", "gradient_allreduce", "ddp_fp16"):
-        traffic = ring_allreduce(grad / 2 if base == "ddp_fp16" else grad, p)
+    if base in ("ddp", "gradient_allreduce", "ddp_fp16", "ddp_bf16"):
+        traffic = ring_allreduce(grad / 2 if base in ("ddp_fp16", "ddp_bf16") else grad, p)
         comm, cpu = _comm(net, traffic, bagua_buckets if base == "gradient_allreduce" else ddp_buckets, compute_s)
         return Step(compute_s + codec_s + _exposed(net, comm, cpu, hidden), comm, codec_s, traffic.bytes)
     if base == "ddp_powersgd":
@@ -285,6 +285,6 @@ def predict(system: str, shapes: Shapes, net: Net, compute_s: float, overlap: fl
         step = compute_s + steal
         return Step(step, comm, 0.0, traffic.bytes * step / period,
                     [f"a round every {period:.2f} s: the average is {period / step:.1f} steps old"])
-    raise ValueError(f"no cost model for system {system!r}; available: ddp, ddp_fp16, ddp_powersgd, "
+    raise ValueError(f"no cost model for system {system!r}; available: ddp, ddp_fp16, ddp_bf16, ddp_powersgd, "
                      "gradient_allreduce, bytegrad, qadam, qadam_1bit, decentralized, "
                      "decentralized:peer_selection_mode=shift_one, low_precision_decentralized, async")

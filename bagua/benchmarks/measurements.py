@@ -24,6 +24,7 @@ CODEC_PASSES: dict[str, Callable[[int], tuple[float, float]]] = {
     "qadam": lambda n: (1 + 1 / n, 2.0),
     "low_precision_decentralized": lambda n: (1.0, 2.0),
     "ddp_fp16": lambda n: (1.0, 1.0),
+    "ddp_bf16": lambda n: (1.0, 1.0),
 }
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, x, y) -> float:
@@ -52,9 +53,10 @@ def _codec_seconds(system: str, numel: int, world: int, repeats: int = 2) -> Opt
         return 0.0 if system in ("ddp", "gradient_allreduce", "decentralized", "async") else None
     encodes, decodes = CODEC_PASSES[system](world)
     x = torch.randn(numel)
-    if system == "ddp_fp16":
-        enc = _best_of(lambda: x.half(), repeats)
-        half = x.half()
+    if system in ("ddp_fp16", "ddp_bf16"):
+        dtype = torch.float16 if system == "ddp_fp16" else torch.bfloat16
+        enc = _best_of(lambda: x.to(dtype), repeats)
+        half = x.to(dtype)
         dec = _best_of(lambda: half.float(), repeats)
     else:
         from bagua.torch_api import compression

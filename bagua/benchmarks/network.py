@@ -233,7 +233,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bagua-bench", description=__doc__.splitlines()[0])
     p.add_argument("--hosts", default="2", help="comma list of host counts, e.g. 2,4")
     p.add_argument("--bandwidths", default="unshaped,10gbit,1gbit,100mbit", help="comma list of tc rates")
-    p.add_argument("--systems", default="all", help="'all' or a comma list (ddp, ddp_fp16, ddp_powersgd, "
+    p.add_argument("--systems", default="all", help="'all' or a comma list (ddp, ddp_fp16, ddp_bf16, ddp_powersgd, "
                                                      "Bagua algorithm names, with arguments as "
                                                      "name:key=value, e.g. decentralized:peer_selection_mode=shift_one)")
     p.add_argument("--models", default="mlp,digits", help=f"comma list of {', '.join(MODELS)} (gpt: byte-level "

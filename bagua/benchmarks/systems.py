@@ -1,6 +1,7 @@
 """The systems the workload trains with: torch DDP variants and Bagua algorithms, wrapped and instrumented.
 
-A *system* is a spec ``name[:key=value...]`` (:func:`split_system`): ``ddp``, ``ddp_fp16``, ``ddp_powersgd``,
+A *system* is a spec ``name[:key=value...]`` (:func:`split_system`): ``ddp``, ``ddp_fp16``, ``ddp_bf16``,
+``ddp_powersgd``,
 ``ddp_bytegrad[:codec=uint8:error_feedback=True...]`` (Bagua's ByteGrad as a DDP comm hook, the arguments of
 ``ByteGradState``),
 ``ddp_post_local_sgd[:period=P:warmup=W]`` (torch's post-local SGD, :func:`_post_local_sgd`) or a name in Bagua's
@@ -24,7 +25,7 @@ import torch
 __all__ = ["DDP_SYSTEMS", "split_system", "load_algorithm_modules", "available_systems", "System", "untimed_steps",
            "qadam_warmup_steps", "make_system", "POST_LOCAL_SGD_DEFAULTS", "steps_per_round"]
 
-DDP_SYSTEMS = ("ddp", "ddp_fp16", "ddp_powersgd", "ddp_post_local_sgd", "ddp_bytegrad")
+DDP_SYSTEMS = ("ddp", "ddp_fp16", "ddp_bf16", "ddp_powersgd", "ddp_post_local_sgd", "ddp_bytegrad")
 
 #: ``ddp_post_local_sgd``'s options: average the weights every ``period`` steps after ``warmup`` steps of plain
 #: DDP; compare with a local-update algorithm by giving it the same period (e.g. ``period=8`` for 8 inner steps)
@@ -77,7 +78,7 @@ def load_algorithm_modules() -> None:
 
 
 def available_systems() -> list[str]:
-    """``ddp``, ``ddp_fp16``, ``ddp_powersgd``, ``ddp_post_local_sgd``, then every registered Bagua algorithm name."""
+    """:data:`DDP_SYSTEMS`, then every registered Bagua algorithm name."""
     from bagua.torch_api.algorithms import GlobalAlgorithmRegistry
 
     load_algorithm_modules()
@@ -285,6 +286,8 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
             timer = None
         elif name == "ddp_fp16":
             ddp.register_comm_hook(None, _timed_hook(default_hooks.fp16_compress_hook, timer))
+        elif name == "ddp_bf16":  # float32's exponent range: no gradient flushes to zero, 8 bits of mantissa
+            ddp.register_comm_hook(None, _timed_hook(default_hooks.bf16_compress_hook, timer))
         elif name == "ddp_bytegrad":  # Bagua's ByteGrad as a comm hook on plain DDP (docs/integrations.md)
             from bagua.torch_api.contrib.ddp_hooks import ByteGradState, bytegrad_hook
 
