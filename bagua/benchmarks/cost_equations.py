@@ -128,6 +128,8 @@ def powersgd_elements(shapes: Shapes, rank: int) -> float:
 #: encode = min/max pass + read 4 B, write 1 B; decode = read 1 B, write 4 B; fp16 = a cast each way; PowerSGD
 #: with error feedback = add the error, M Q, M^T P, P Q^T, the new error, the copy back (about 11).
 ENCODE, DECODE, FP16_CASTS, POWERSGD_PASSES = 2.25, 1.25, 3.0, 11.0
+#: torch's half-precision compression hooks: half of DDP's bytes, one cast each way
+_HALF_HOOKS = ("ddp_fp16", "ddp_bf16")
 
 
 def codec_passes(system: str, n: int) -> float:
@@ -137,7 +139,7 @@ def codec_passes(system: str, n: int) -> float:
         return (1 + 1 / n) * ENCODE + 2 * DECODE
     if system == "low_precision_decentralized":
         return ENCODE + 2 * DECODE
-    if system in ("ddp_fp16", "ddp_bf16"):
+    if system in _HALF_HOOKS:
         return FP16_CASTS
     if system == "ddp_powersgd":
         return POWERSGD_PASSES
@@ -246,8 +248,8 @@ def predict(system: str, shapes: Shapes, net: Net, compute_s: float, overlap: fl
     bagua_buckets = bucket_count(shapes.order, net.bagua_bucket_bytes)
     intra = _intra(net, grad, bagua_buckets) if hier else 0.0
     hidden = overlap * compute_s
-    if base in ("ddp", "gradient_allreduce", "ddp_fp16", "ddp_bf16"):
-        traffic = ring_allreduce(grad / 2 if base in ("ddp_fp16", "ddp_bf16") else grad, p)
+    if base in ("ddp", "gradient_allreduce", *_HALF_HOOKS):
+        traffic = ring_allreduce(grad / 2 if base in _HALF_HOOKS else grad, p)
         comm, cpu = _comm(net, traffic, bagua_buckets if base == "gradient_allreduce" else ddp_buckets, compute_s)
         return Step(compute_s + codec_s + _exposed(net, comm, cpu, hidden), comm, codec_s, traffic.bytes)
     if base == "ddp_powersgd":

@@ -56,8 +56,8 @@ def _codec_seconds(system: str, numel: int, world: int, repeats: int = 2) -> Opt
     if system in ("ddp_fp16", "ddp_bf16"):
         dtype = torch.float16 if system == "ddp_fp16" else torch.bfloat16
         enc = _best_of(lambda: x.to(dtype), repeats)
-        half = x.to(dtype)
-        dec = _best_of(lambda: half.float(), repeats)
+        on_wire = x.to(dtype)
+        dec = _best_of(lambda: on_wire.float(), repeats)
     else:
         from bagua.torch_api import compression
 

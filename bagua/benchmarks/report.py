@@ -261,9 +261,10 @@ def time_to_target_results(rows: list[dict], meta: dict) -> dict:
             "recommendations": to_target_table.recommend(table)}
 
 
-def format_time_to_target(rows: list[dict], meta: dict) -> str:
-    """The combination as Markdown tables, then the validations and the recommendations."""
-    tt = time_to_target_results(rows, meta)
+def format_time_to_target(rows: list[dict], meta: dict, tt: Optional[dict] = None) -> str:
+    """The combination as Markdown tables, then the validations and the recommendations (``tt``: the
+    :func:`time_to_target_results` of ``rows``, when the caller has it already)."""
+    tt = tt if tt is not None else time_to_target_results(rows, meta)
     parts = [to_target_table.format_markdown(tt["table"]), to_target_table.format_validation(tt["validation"]),
              "\n".join(tt["recommendations"])]
     return "\n\n".join(p for p in parts if p)
@@ -309,7 +310,7 @@ def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_pl
     if any(r.get("phase") for r in rows):
         paths.append(os.path.join(out_dir, f"{name}-table.md"))
         with open(paths[-1], "w") as f:
-            f.write(format_time_to_target(rows, meta) + "\n")
+            f.write(format_time_to_target(rows, meta, tt) + "\n")
         if make_plot and any(c["time_spread"].median < float("inf") for c in tt["table"]):
             paths.append(plot_time_vs_bandwidth(tt["table"], os.path.join(out_dir, f"{name}-vs-bandwidth.png"),
                                                 caption=caption_for(meta, what="median of seeds, bars: range")))
@@ -367,11 +368,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if any(r.get("status") == "ok" and r.get("speedup") is not None for r in speed):
                 print("wrote " + plot(speed, out + ".png", caption=caption_for(meta)))
             if any(r.get("phase") for r in rows):
+                tt = time_to_target_results(rows, meta)
                 with open(out + "-table.md", "w") as f:
-                    f.write(format_time_to_target(rows, meta) + "\n")
+                    f.write(format_time_to_target(rows, meta, tt) + "\n")
                 print("wrote " + out + "-table.md")
-                table = time_to_target_results(rows, meta)["table"]
-                print("wrote " + plot_time_vs_bandwidth(table, out + "-vs-bandwidth.png",
+                print("wrote " + plot_time_vs_bandwidth(tt["table"], out + "-vs-bandwidth.png",
                                                         caption=caption_for(meta, what="median of seeds, bars: range")))
             if any(r.get("status") == "ok" and r.get("curve") for r in rows):
                 print("wrote " + plot_to_target(rows, out + "-to-target.png",
