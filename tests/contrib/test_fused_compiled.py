@@ -39,17 +39,17 @@ def bagua_log(caplog):
     logger.removeHandler(caplog.handler)
 
 
-def _train_pair(name: str, steps: int = STEPS, lock_after: int = 3):
+def _train_pair(name: str, steps: int = STEPS, lock_after: int = 3, device: str = "cpu"):
     """Step an unfused and a compiled fused optimizer on the same fresh gradients and LR schedule.
 
     From step ``lock_after`` on, any recompile raises inside the compiled call (``fail_on_recompile``), which
     makes the fused optimizer fall back to its eager step: the caller checks that it did not.
     """
-    ref_params, params = make_params(), make_params()
+    ref_params, params = ([torch.nn.Parameter(p.detach().to(device)) for p in make_params()] for _ in range(2))
     ref, fused = OPTIMIZERS[name](ref_params), fuse_optimizer(OPTIMIZERS[name](params), compile=True)
     try:
         for step in range(steps):
-            grads = grads_for(ref_params, step)
+            grads = [g.to(device) for g in grads_for(ref_params, step)]
             set_grads(ref_params, grads, keep=False)  # zero_grad()'s default: new gradient tensors every step
             set_grads(params, grads, keep=False)
             for opt in (ref, fused):

@@ -31,6 +31,7 @@ from bagua.torch_api.contrib.fuse.grads import copy_grads, copy_many, copy_range
 
 __all__ = ["Segment", "fits_flat", "adjacent", "mutual_runs", "flatten_params", "find_segments", "adopt",
            "install_grads", "copy_ranges", "copy_grads", "copy_many", "state_buffer", "flat_buffer",
+           "scalar_to_param_device",
            "huge_pages_enabled", "HUGE_PAGES_MIN_BYTES"]
 
 
@@ -192,7 +193,9 @@ def state_buffer(seg: Segment, key: Hashable, value: torch.Tensor, scalar: bool)
         scalar: True for zero-dim state (one element per parameter), False for elementwise state.
 
     Returns:
-        ``seg.scalar_state[key]`` or ``seg.flat_state[key]``, or None when its dtype or device differs.
+        ``seg.scalar_state[key]`` or ``seg.flat_state[key]``, or None when its dtype or device differs. A scalar
+        of the buffer's dtype from another device is accepted (copied in) when the buffer is on the parameters'
+        device: a CPU ``step`` from a checkpoint, after :func:`scalar_to_param_device` moved the buffer.
     """
     buffers, views = (seg.scalar_state, seg.scalar_views) if scalar else (seg.flat_state, seg.state_views)
     flat = buffers.get(key)
@@ -200,9 +203,38 @@ def state_buffer(seg: Segment, key: Hashable, value: torch.Tensor, scalar: bool)
         numel = len(seg.params) if scalar else seg.offsets[-1]
         flat = buffers[key] = flat_buffer(numel, value.dtype, value.device)
         views[key] = [None] * len(seg.params)
-    if flat.dtype != value.dtype or flat.device != value.device:
+    if flat.dtype != value.dtype:
+        return None
+    if flat.device != value.device and not (scalar and flat.device == seg.flat_param.device):
         return None
     return flat
+
+
+def scalar_to_param_device(seg: Segment, key: Hashable, value: torch.Tensor, state: dict) -> Optional[torch.Tensor]:
+    """Move the scalar state buffer ``key`` to the parameters' device when a step moved its value there.
+
+    A step compiled by ``torch.compile`` keeps ``step`` on the parameters' GPU (Dynamo moves a CPU ``step`` there
+    and traces the step as ``capturable``), where the eager first step made it on the CPU. The buffer follows with
+    its values, and every parameter's entry in ``state`` is re-pointed at its element of the moved buffer.
+
+    Returns:
+        The moved buffer, or None when ``value`` differs in another way (dtype, or a device other than the
+        parameters').
+    """
+    flat = seg.scalar_state.get(key)
+    home = seg.flat_param.device
+    if flat is None or value.dtype != flat.dtype or value.device == flat.device or value.device != home:
+        return None
+    moved = seg.scalar_state[key] = flat.to(value.device)
+    views = seg.scalar_views[key]
+    for i, view in enumerate(views):
+        if view is None:
+            continue
+        views[i] = moved[i]
+        st = state.get(seg.params[i])
+        if st is not None and st.get(key) is view:
+            st[key] = views[i]
+    return moved
 
 
 def adopt(seg: Segment, i: int, st: Optional[dict[Hashable, Any]]) -> int:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import torch
 
-from bagua.torch_api.contrib.fuse.layout import Segment, state_buffer
+from bagua.torch_api.contrib.fuse.layout import Segment, scalar_to_param_device, state_buffer
 
 __all__ = ["Run", "make_runs", "split_on_scalars", "make_run", "write_run", "elementwise_count", "cpu_chunk_bytes",
            "CPU_CHUNK_BUDGET"]
@@ -166,6 +166,8 @@ def write_run(run: Run, fused_state: dict, state: dict) -> Optional[str]:
                 state[p][key] = value
         elif value.dim() == 0:
             flat = state_buffer(seg, key, value, scalar=True)
+            if flat is None:  # a compiled step on a GPU moves ``step`` there (Dynamo's capturable step)
+                flat = scalar_to_param_device(seg, key, value, state)
             if flat is None:
                 return f"scalar state {key!r} changed dtype or device"
             flat[run.a : run.b].fill_(value)
