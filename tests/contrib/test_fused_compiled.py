@@ -11,6 +11,7 @@ Adam only; the other optimizers are marked ``slow`` (run them with ``--runslow``
 
 from __future__ import annotations
 
+import copy
 import logging
 import shutil
 
@@ -87,6 +88,37 @@ def _check(name: str) -> None:
 @needs_compiler
 def test_compiled_adam_within_tolerance_without_recompiles():
     _check("adam")
+
+
+def train_resumed(device: str, steps: int = 30):
+    """Train an unfused and a compiled fused Adam 5 steps, load a checkpoint of the unfused one (its ``step``
+    counters on the CPU) into the fused one, and step both ``steps`` more; return what ``_train_pair`` does.
+
+    The checkpoint is a deep copy, as ``torch.save`` and ``torch.load`` give: a live optimizer's ``state_dict()``
+    shares its ``step`` tensors, which the unfused optimizer would then advance for both.
+    """
+    ref, fused, ref_params, params = _train_pair("adam", steps=5, device=device)
+    checkpoint = copy.deepcopy(ref.state_dict())
+    assert all(not s["step"].is_cuda for s in checkpoint["state"].values())
+    with torch.no_grad():
+        for a, b in zip(ref_params, params):
+            b.copy_(a)
+    fused.load_state_dict(checkpoint)
+    for step in range(5, 5 + steps):
+        grads = [g.to(device) for g in grads_for(ref_params, step)]
+        set_grads(ref_params, grads, keep=False)
+        set_grads(params, grads, keep=False)
+        ref.step()
+        fused.fuse_step()
+    return ref, fused, ref_params, params
+
+
+@needs_compiler
+def test_compiled_resumes_from_a_checkpoint():
+    ref, fused, ref_params, params = train_resumed("cpu")
+    assert fused._bagua_fuser.compiled is not None and not fused._bagua_fuser.fallback
+    assert _relative_difference(ref_params, params) <= TOLERANCE
+    assert all(torch.equal(ref.state[a]["step"], fused.state[b]["step"]) for a, b in zip(ref_params, params))
 
 
 @needs_compiler

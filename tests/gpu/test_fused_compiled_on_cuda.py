@@ -17,8 +17,7 @@ import warnings
 import pytest
 import torch
 
-from tests.contrib.test_fused_compiled import TOLERANCE, _relative_difference, _train_pair
-from tests.contrib.test_fused_optimizer import grads_for, set_grads
+from tests.contrib.test_fused_compiled import TOLERANCE, _relative_difference, _train_pair, train_resumed
 
 pytestmark = pytest.mark.gpu
 
@@ -49,20 +48,8 @@ def test_compiled_adam_on_cuda_runs_compiled():
 
 
 def test_compiled_adam_on_cuda_resumes_from_a_checkpoint_with_cpu_counters():
-    """Loading the unfused optimizer's state (its ``step`` counters on the CPU) keeps the compiled step fused."""
-    ref, fused, ref_params, params = _train_pair("adam", steps=5, device="cuda")
-    state = ref.state_dict()
-    assert all(not s["step"].is_cuda for s in state["state"].values())
-    with torch.no_grad():
-        for a, b in zip(ref_params, params):
-            b.copy_(a)
-    fused.load_state_dict(state)
-    for step in range(5, 5 + STEPS):
-        grads = [g.cuda() for g in grads_for(ref_params, step)]
-        set_grads(ref_params, grads, keep=False)
-        set_grads(params, grads, keep=False)
-        ref.step()
-        fused.fuse_step()
+    """Loading the unfused optimizer's checkpoint (its ``step`` counters on the CPU) keeps the compiled step."""
+    ref, fused, ref_params, params = train_resumed("cuda", steps=STEPS)
     torch.cuda.synchronize()
     fuser = fused._bagua_fuser
     assert not fuser.fallback and fuser.compiled is not None and fuser.compiled.failed is None
