@@ -9,7 +9,8 @@ For every host count and model, in this order (DDP first in each phase, since it
    rounded up to whole rounds of a local-update system (:func:`~bagua.benchmarks.systems.steps_per_round`);
 3. ``real``: every system whose trajectory depends on timing (:func:`timing_dependent`: asynchronous averaging,
    or an algorithm class that sets ``trajectory_depends_on_timing = True``, e.g. one overlapping communication
-   with later steps) trains to the target for real at every bandwidth, unshaped included, once per seed;
+   with later steps) trains to the target for real at every bandwidth asked for (unshaped only when it is one of
+   them), once per seed;
 4. ``validation`` (``--validate SYSTEM@RATE``): one synchronous system trains to the target for real at a
    shaped bandwidth (seed 0), to check steps x step time against it (:func:`bagua.benchmarks.to_target_table.validate`).
 
@@ -105,7 +106,8 @@ def plan(args: argparse.Namespace, systems: Sequence[str], rates: Sequence[Optio
             for system in systems:
                 for seed in seeds[system]:
                     if timed[system]:
-                        jobs.append(job(system, None, "real", seed, **tt))
+                        if None in rates:  # a timing-dependent system runs on the links asked for only
+                            jobs.append(job(system, None, "real", seed, **tt))
                     elif not step_times_only:
                         jobs.append(job(system, None, "convergence", seed, **tt))
             # unshaped step times go with the unshaped convergence runs; only asked for, with --step-times-only

@@ -181,10 +181,20 @@ def test_step_times_only_skips_the_convergence_runs_and_the_qadam_warmup_is_kept
     assert not [g for g in got if g[0] == "convergence"]
     assert {g for g in got if g[0] == "step_time"} == {("step_time", s, b) for s in ("ddp", "qadam")
                                                         for b in ("1gbit", "100mbit")}
-    assert {g for g in got if g[0] == "real"} >= {("real", "async", "1gbit")}  # timing-dependent: still real runs
+    # timing-dependent: still real runs, on the links asked for only (no unshaped run that was not asked for)
+    assert {g for g in got if g[0] == "real"} == {("real", "async", "1gbit"), ("real", "async", "100mbit")}
     # without a DDP convergence row in the run, a to-target job keeps --qadam-warmup and --max-steps
     job = next(j for j in jobs if j.phase == "real")
     assert to_target_plan.with_budget(job, []).qadam_warmup == 60
+
+
+def test_a_timing_dependent_system_alone_runs_on_the_one_link_asked_for():
+    from bagua.benchmarks.network import _plan, parse_args
+
+    args = parse_args(["--to-target", "--models", "gpt", "--hosts", "4", "--bandwidths", "10mbit", "--systems",
+                       "async", "--seeds", "1", "--first-seed", "2"])
+    jobs = _plan(args, ["async"], [10**7])
+    assert [(j.phase, j.system, j.bandwidth, j.seed, j.hosts) for j in jobs] == [("real", "async", "10mbit", 2, 4)]
 
 
 def test_seeds_of_gives_one_system_its_own_seed_count():
