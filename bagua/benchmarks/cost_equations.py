@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 __all__ = [
     "GBIT", "Shapes", "SHAPES", "Traffic", "ring_allreduce", "scatter_gather_allreduce", "peer_exchange",
     "intra_node", "bucket_count", "powersgd_elements", "ENCODE", "DECODE", "FP16_CASTS", "POWERSGD_PASSES",
-    "codec_passes", "Fit", "Net", "Step", "transfer_s", "predict",
+    "HALF_HOOKS", "codec_passes", "Fit", "Net", "Step", "transfer_s", "predict",
 ]
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
@@ -129,7 +129,7 @@ def powersgd_elements(shapes: Shapes, rank: int) -> float:
 #: with error feedback = add the error, M Q, M^T P, P Q^T, the new error, the copy back (about 11).
 ENCODE, DECODE, FP16_CASTS, POWERSGD_PASSES = 2.25, 1.25, 3.0, 11.0
 #: torch's half-precision compression hooks: half of DDP's bytes, one cast each way
-_HALF_HOOKS = ("ddp_fp16", "ddp_bf16")
+HALF_HOOKS = ("ddp_fp16", "ddp_bf16")
 
 
 def codec_passes(system: str, n: int) -> float:
@@ -139,7 +139,7 @@ def codec_passes(system: str, n: int) -> float:
         return (1 + 1 / n) * ENCODE + 2 * DECODE
     if system == "low_precision_decentralized":
         return ENCODE + 2 * DECODE
-    if system in _HALF_HOOKS:
+    if system in HALF_HOOKS:
         return FP16_CASTS
     if system == "ddp_powersgd":
         return POWERSGD_PASSES
@@ -248,8 +248,8 @@ def predict(system: str, shapes: Shapes, net: Net, compute_s: float, overlap: fl
     bagua_buckets = bucket_count(shapes.order, net.bagua_bucket_bytes)
     intra = _intra(net, grad, bagua_buckets) if hier else 0.0
     hidden = overlap * compute_s
-    if base in ("ddp", "gradient_allreduce", *_HALF_HOOKS):
-        traffic = ring_allreduce(grad / 2 if base in _HALF_HOOKS else grad, p)
+    if base in ("ddp", "gradient_allreduce", *HALF_HOOKS):
+        traffic = ring_allreduce(grad / 2 if base in HALF_HOOKS else grad, p)
         comm, cpu = _comm(net, traffic, bagua_buckets if base == "gradient_allreduce" else ddp_buckets, compute_s)
         return Step(compute_s + codec_s + _exposed(net, comm, cpu, hidden), comm, codec_s, traffic.bytes)
     if base == "ddp_powersgd":

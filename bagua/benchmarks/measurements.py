@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from bagua.benchmarks.cost_equations import HALF_HOOKS
 from bagua.benchmarks.systems import _make_optimizer
 
 __all__ = ["CODEC_PASSES"]
@@ -53,7 +54,7 @@ def _codec_seconds(system: str, numel: int, world: int, repeats: int = 2) -> Opt
         return 0.0 if system in ("ddp", "gradient_allreduce", "decentralized", "async") else None
     encodes, decodes = CODEC_PASSES[system](world)
     x = torch.randn(numel)
-    if system in ("ddp_fp16", "ddp_bf16"):
+    if system in HALF_HOOKS:
         dtype = torch.float16 if system == "ddp_fp16" else torch.bfloat16
         enc = _best_of(lambda: x.to(dtype), repeats)
         on_wire = x.to(dtype)
