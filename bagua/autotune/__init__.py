@@ -10,9 +10,10 @@ Example:
 
 from __future__ import annotations
 
-from bagua.autotune.controller import AutotuneController, bucket_plan
+from bagua.autotune.controller import AutotuneController
 from bagua.autotune.hooks import attach, choose_streams, detach, get_controller, on_wrap
 from bagua.autotune.log import AutotuneLog, plot, read_log
+from bagua.autotune.trial import bucket_plan
 from bagua.autotune.tuner import (
     Hyperparameters,
     Tuner,

@@ -38,11 +38,11 @@ import torch
 import torch.distributed as dist
 
 from bagua.autotune.log import AutotuneLog, default_log_path, describe
+from bagua.autotune.trial import batch_size, bucket_plan, robust_elapsed
 from bagua.autotune.tuner import Hyperparameters, Tuner, TuneResult, TuneSpace, load_tune, save_tune, signature
 from bagua.torch_api import env, multistream
-from bagua.torch_api.bucket import split_bucket_by_bucket_size
 
-__all__ = ["AutotuneController", "bucket_plan", "default_log_path", "describe"]  # the last two: bagua.autotune.log
+__all__ = ["AutotuneController", "bucket_plan", "default_log_path", "describe"]  # the last three: from trial, log
 
 logger = logging.getLogger(__name__)
 
@@ -50,38 +50,6 @@ logger = logging.getLogger(__name__)
 _CONTINUE, _RESTART, _APPLY, _FINISH, _DONE, _LOAD, _NONE = range(7)
 _WARMUP, _DEFAULT, _TRIAL, _CONFIRM, _FINISHED = "warmup", "default", "trial", "confirm", "finished"
 _FIELDS = 8
-
-
-def bucket_plan(tensors: list, order: Optional[list[str]], bucket_size: int) -> list[list[str]]:
-    """Tensor names grouped into buckets of ``bucket_size`` bytes, tensors taken in ``order`` (names; tensors
-    missing from it follow in their own order), split per dtype as the engine does."""
-    by_name = {t.name: t for t in tensors}
-    ordered = [by_name[n] for n in (order or []) if n in by_name]
-    seen = {t.name for t in ordered}
-    ordered += [t for t in tensors if t.name not in seen]
-    return [[t.name for t in group] for group in split_bucket_by_bucket_size(ordered, bucket_size)]
-
-
-def _batch_size(inputs: Any) -> int:
-    """The leading dimension of the first tensor found in ``inputs`` (1 when there is none)."""
-    stack = [inputs]
-    while stack:
-        item = stack.pop(0)
-        if isinstance(item, torch.Tensor):
-            return int(item.shape[0]) if item.dim() > 0 else 1
-        if isinstance(item, (list, tuple)):
-            stack = list(item) + stack
-        elif isinstance(item, dict):
-            stack = list(item.values()) + stack
-    return 1
-
-
-def _robust_elapsed(durations: list[float]) -> float:
-    """Sum of iteration times, each outlier (over twice the median) counted at the median."""
-    if not durations:
-        return 0.0
-    median = sorted(durations)[len(durations) // 2]
-    return sum(d if d <= 2 * median else median for d in durations)
 
 
 class AutotuneController:
@@ -229,7 +197,7 @@ class AutotuneController:
 
     def _on_forward_pre(self, module: torch.nn.Module, inputs: Any) -> None:
         if module.training:
-            self._samples_pending += _batch_size(inputs)
+            self._samples_pending += batch_size(inputs)
 
     def _on_iteration_end(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if getattr(self.ddp.module, "bagua_ddp", self.ddp) is not self.ddp:
@@ -254,7 +222,7 @@ class AutotuneController:
     # -- the collective decision -------------------------------------------------------------------------------
 
     def _check(self, now: float) -> None:
-        stats = torch.tensor([float(self._samples), _robust_elapsed(self._durations), float(len(self._durations))],
+        stats = torch.tensor([float(self._samples), robust_elapsed(self._durations), float(len(self._durations))],
                              dtype=torch.float64, device=self._device)
         dist.all_reduce(stats, group=self._group)
         decision = torch.zeros(_FIELDS, dtype=torch.int64, device=self._device)

@@ -27,6 +27,7 @@ from bagua.torch_api import lifecycle
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket, split_bucket_by_bucket_size
 from bagua.torch_api.data_parallel import _state_sync
+from bagua.torch_api.data_parallel._autograd import REENTRANT_MESSAGE, graph_task_id, queue_backward_end_callback
 from bagua.torch_api.data_parallel._comm_plane import (
     CommJob,
     CommWorker,
@@ -39,33 +40,6 @@ from bagua.torch_api.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, as_bagua_tensor, bind_engine
 
 __all__ = ["BaguaDistributedDataParallel"]
-
-
-def _queue_backward_end_callback(callback: Callable[[], None]) -> None:
-    """Run ``callback`` once the current backward pass has finished.
-
-    Autograd has no public "end of backward" hook; torch's own FSDP2 and DDP's Python reducer use this engine
-    callback for the same purpose, so it is isolated here (STYLE.md habit 8).
-    """
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
-
-
-def _graph_task_id() -> int:
-    """The id of the autograd graph task (one ``backward()`` call) running on this thread; -1 outside backward.
-
-    Ids grow with every new backward, so a task that started *before* one that has already ended is an outer
-    backward still running around a nested one (reentrant activation checkpointing). No public API tells that;
-    the private call is isolated here (STYLE.md habit 8).
-    """
-    return int(torch._C._current_graph_task_id())
-
-
-_REENTRANT_MESSAGE = (
-    "rank {rank}: {name}: a backward pass ran nested inside another (reentrant activation checkpointing, "
-    "torch.utils.checkpoint.checkpoint(..., use_reentrant=True)), and Bagua's end-of-backward came from the inner "
-    "one, before every gradient existed: the buckets would be communicated twice. Use "
-    "checkpoint(..., use_reentrant=False), which torch recommends and Bagua supports."
-)
 
 
 class BaguaDistributedDataParallel:
@@ -260,14 +234,14 @@ class BaguaDistributedDataParallel:
         if not self.require_backward_grad_sync:
             return
         if not self._callback_queued:
-            task = _graph_task_id()
+            task = graph_task_id()
             if 0 <= task < self._ended_task:
                 # an outer backward goes on after a nested one already ended the step's communication
-                raise RuntimeError(_REENTRANT_MESSAGE.format(rank=dist.get_rank(), name=self.bagua_module_name))
+                raise RuntimeError(REENTRANT_MESSAGE.format(rank=dist.get_rank(), name=self.bagua_module_name))
             self._callback_queued = True
             self._queued_task = task
             self._used_names: set[str] = set()
-            _queue_backward_end_callback(self._on_backward_end)
+            queue_backward_end_callback(self._on_backward_end)
         self._used_names.add(name)
         self._backward_fn(name, param)
 
