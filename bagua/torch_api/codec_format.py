@@ -1,5 +1,5 @@
-"""The wire format of the 8-bit MinMaxUInt8 codec (:mod:`bagua.torch_api.compression`): its buffers, the per-chunk
-parameters derived from a chunk's min and max, and the error bound.
+"""The wire format of the 8-bit MinMaxUInt8 codec (:mod:`bagua.torch_api.compression`): the wire buffer, the
+per-chunk parameters derived from a chunk's min and max, and the error bound.
 
 A wire of ``n`` chunks of ``L`` elements is one ``uint8`` tensor of shape ``(n, 8 + L)``: each row starts with the
 chunk's min and max as two float32 (:data:`HEADER_BYTES`), followed by its ``L`` codes.
@@ -20,17 +20,13 @@ import torch
 __all__ = [
     "EPS",
     "HEADER_BYTES",
-    "BLOCK",
     "ChunkParams",
     "wire_buffer",
-    "scratch_buffer",
     "quantization_error_bound",
 ]
 
 EPS = 1e-7
 HEADER_BYTES = 8
-#: Elements per cache block on CPU (1 MiB of float32: fits the L2/L3 of current x86 cores).
-BLOCK = 1 << 18
 
 
 def wire_buffer(n_chunks: int, chunk_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -41,19 +37,6 @@ def wire_buffer(n_chunks: int, chunk_len: int, device: torch.device | str = "cpu
         torch.Size([4, 18])
     """
     return torch.empty(n_chunks, HEADER_BYTES + chunk_len, dtype=torch.uint8, device=device)
-
-
-def scratch_buffer(chunk_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Allocate a float32 scratch buffer large enough for every function of the codec on ``device``.
-
-    On CPU that is two blocks (of :data:`BLOCK` elements at most); on other devices a whole chunk row.
-
-    Example:
-        >>> scratch_buffer(10).numel()
-        20
-    """
-    n = 2 * min(chunk_len, BLOCK) if torch.device(device).type == "cpu" else chunk_len
-    return torch.empty(max(n, 1), dtype=torch.float32, device=device)
 
 
 def _scale_lower(minmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,16 +126,6 @@ class ChunkParams:
         if self._fast is None:
             self._fast = _unclamped_rows(self.minmax, self.scale, self.lower)
         return self._fast
-
-
-def _scratch(work: Optional[torch.Tensor], numel: int, device: torch.device) -> torch.Tensor:
-    if work is not None and work.dtype == torch.float32 and work.is_contiguous() and work.numel() >= numel:
-        return work.view(-1)[:numel]
-    return torch.empty(numel, dtype=torch.float32, device=device)
-
-
-def _blocked(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu"
 
 
 def _check_wire(wire: torch.Tensor, n: int, length: int) -> None:

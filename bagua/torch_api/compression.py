@@ -34,29 +34,20 @@ from typing import Optional, Sequence
 
 import torch
 
-# the format's names are part of this module's API (and its tests read the private helpers)
-from bagua.torch_api.codec_format import (  # noqa: F401
+from bagua.torch_api import codec_format
+from bagua.torch_api.codec_format import (  # noqa: F401 (the format's public names are this module's too)
     _MAGIC,
-    BLOCK,
     EPS,
     HEADER_BYTES,
     ChunkParams,
-    _blocked,
     _check_wire,
-    _scale_lower,
-    _scratch,
-    _unclamped_rows,
     quantization_error_bound,
-    scratch_buffer,
     wire_buffer,
 )
 
 __all__ = [
-    "EPS",
-    "HEADER_BYTES",
+    *codec_format.__all__,
     "BLOCK",
-    "ChunkParams",
-    "wire_buffer",
     "scratch_buffer",
     "chunk_minmax",
     "encode_chunks",
@@ -65,8 +56,33 @@ __all__ = [
     "encode_pieces",
     "merge_minmax",
     "pieces_minmax",
-    "quantization_error_bound",
 ]
+
+#: Elements per cache block on CPU (1 MiB of float32: fits the L2/L3 of current x86 cores).
+BLOCK = 1 << 18
+
+
+def scratch_buffer(chunk_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Allocate a float32 scratch buffer large enough for every function of this module on ``device``.
+
+    On CPU that is two blocks (of :data:`BLOCK` elements at most); on other devices a whole chunk row.
+
+    Example:
+        >>> scratch_buffer(10).numel()
+        20
+    """
+    n = 2 * min(chunk_len, BLOCK) if torch.device(device).type == "cpu" else chunk_len
+    return torch.empty(max(n, 1), dtype=torch.float32, device=device)
+
+
+def _scratch(work: Optional[torch.Tensor], numel: int, device: torch.device) -> torch.Tensor:
+    if work is not None and work.dtype == torch.float32 and work.is_contiguous() and work.numel() >= numel:
+        return work.view(-1)[:numel]
+    return torch.empty(numel, dtype=torch.float32, device=device)
+
+
+def _blocked(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu"
 
 
 def chunk_minmax(x: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from bagua.torch_api import codec_format
 from bagua.torch_api import compression as codec
 
 
@@ -72,10 +73,10 @@ def test_fast_path_equals_general_path(monkeypatch):
             for k in range(-3, 7) for _ in range(20)]
     x = torch.stack(rows)
     mm = codec.chunk_minmax(x)
-    fast = codec._unclamped_rows(mm, *codec._scale_lower(mm))
+    fast = codec_format._unclamped_rows(mm, *codec_format._scale_lower(mm))
     assert 0 < sum(fast) < len(rows)  # both paths are exercised
     wire, y = _roundtrip(x)
-    monkeypatch.setattr(codec, "_unclamped_rows", lambda minmax, scale, lower: [False] * minmax.shape[0])
+    monkeypatch.setattr(codec_format, "_unclamped_rows", lambda minmax, scale, lower: [False] * minmax.shape[0])
     wire_general, y_general = _roundtrip(x)
     assert torch.equal(wire, wire_general) and torch.equal(y, y_general)
     q, _ = _plain_codes(x[torch.tensor(fast)])
