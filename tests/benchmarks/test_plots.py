@@ -62,6 +62,20 @@ def test_network_plot_rerendered_from_json(tmp_path):
         plt.close(fig)
 
 
+def test_merging_a_merged_file_keeps_every_run_date(tmp_path):
+    path, rows, meta = _results(tmp_path)
+    later = tmp_path / "later.json"
+    later.write_text(json.dumps({"meta": {**meta, "started": "2026-11-27 01:00:00"}, "goals": [], "results": rows}))
+    _, merged_meta = report.merge([str(path), str(later)])
+    again = tmp_path / "merged.json"
+    again.write_text(json.dumps({"meta": merged_meta, "goals": [], "results": rows}))
+    newest = tmp_path / "newest.json"
+    newest.write_text(json.dumps({"meta": {**meta, "started": "2026-11-28 02:00:00"}, "goals": [], "results": rows}))
+    _, meta_again = report.merge([str(again), str(newest)])
+    assert [run["started"][:10] for run in meta_again["runs"]] == ["2026-11-22", "2026-11-27", "2026-11-28"]
+    assert plots.caption_for(meta_again).endswith("measured 2026-11-22, 2026-11-27, 2026-11-28")
+
+
 def test_network_plot_refuses_rows_without_speedups(tmp_path):
     with pytest.raises(ValueError, match="add_speedups"):
         plots.plot([{"model": "mlp", "hosts": 2, "bandwidth": "1gbit", "system": "bytegrad", "status": "ok"}],
