@@ -18,7 +18,8 @@ from __future__ import annotations
 from typing import Optional
 
 __all__ = ["plot", "figure", "plot_to_target", "figure_to_target", "plot_time_vs_bandwidth",
-           "figure_time_vs_bandwidth", "caption_for", "system_order", "TITLE", "TITLE_TO_TARGET", "TITLE_VS_BANDWIDTH"]
+           "figure_time_vs_bandwidth", "caption_for", "runs_of", "system_order", "TITLE", "TITLE_TO_TARGET",
+           "TITLE_VS_BANDWIDTH"]
 
 TITLE = "Training step speedup over torch DDP (higher is better)"
 TITLE_TO_TARGET = "Validation metric against training time (time to accuracy)"
@@ -159,9 +160,15 @@ def _bands_of(rows: list[dict], panel: tuple) -> set:
     return {r["bandwidth"] for r in rows if (r["model"], r["hosts"]) == panel}
 
 
+def runs_of(meta: dict) -> list[dict]:
+    """The single runs behind a results file's ``meta``: itself, or a merged file's runs, flattened (a merged file
+    merged again nests them)."""
+    return [run for inner in meta["runs"] for run in runs_of(inner)] if meta.get("runs") else [meta]
+
+
 def caption_for(meta: dict, rows: Optional[list[dict]] = None, what: str = "median step time") -> str:
     """A one-line caption from a results file's ``meta``: emulated or loopback links, and when it was measured."""
-    runs = meta.get("runs") or [meta]
+    runs = runs_of(meta)
     emulated = all(run.get("emulated", True) for run in runs)
     dates = sorted({str(run.get("started", ""))[:10] for run in runs if run.get("started")})
     where = "hosts emulated in network namespaces, tbf-shaped links" if emulated else "loopback, unshaped"

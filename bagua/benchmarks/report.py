@@ -36,7 +36,7 @@ import sys
 from typing import Optional, Sequence
 
 from bagua.benchmarks import to_target, to_target_table
-from bagua.benchmarks.plots import caption_for, plot, plot_time_vs_bandwidth, plot_to_target
+from bagua.benchmarks.plots import caption_for, plot, plot_time_vs_bandwidth, plot_to_target, runs_of
 
 __all__ = [
     "summarize_ranks",
@@ -320,11 +320,6 @@ def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_pl
     return paths
 
 
-def _runs_of(meta: dict) -> list[dict]:
-    """The single runs behind a results file's ``meta``: a merged file's runs, flattened (merging merges again)."""
-    return [run for inner in meta["runs"] for run in _runs_of(inner)] if "runs" in meta else [meta]
-
-
 def merge(paths: Sequence[str]) -> tuple[list[dict], dict]:
     """Concatenate the results of several suite runs (JSON files written by :func:`write_results`).
 
@@ -336,7 +331,7 @@ def merge(paths: Sequence[str]) -> tuple[list[dict], dict]:
         with open(path) as f:
             data = json.load(f)
         rows += add_speedups(combine_repeats(data["results"]))  # vs the DDP of the same run, before dedup
-        metas += _runs_of(data["meta"])
+        metas += runs_of(data["meta"])
     # a configuration measured again (e.g. a failed run repeated) keeps its last successful result
     best: dict[tuple, dict] = {}
     for r in rows:

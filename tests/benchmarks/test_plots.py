@@ -74,6 +74,9 @@ def test_merging_a_merged_file_keeps_every_run_date(tmp_path):
     _, meta_again = report.merge([str(again), str(newest)])
     assert [run["started"][:10] for run in meta_again["runs"]] == ["2026-11-22", "2026-11-27", "2026-11-28"]
     assert plots.caption_for(meta_again).endswith("measured 2026-11-22, 2026-11-27, 2026-11-28")
+    # a file merged before merging flattened (its runs still nested) is read the same way
+    nested = {"command": "", "runs": [merged_meta, {**meta, "started": "2026-11-28 02:00:00"}]}
+    assert plots.caption_for(nested) == plots.caption_for(meta_again)
 
 
 def test_network_plot_refuses_rows_without_speedups(tmp_path):
