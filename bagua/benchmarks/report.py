@@ -289,8 +289,9 @@ def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_pl
     paths = [os.path.join(out_dir, f"{name}.{ext}") for ext in ("json", "csv")]
     with open(paths[0], "w") as f:
         data = {"meta": meta, "goals": goals if goals is not None else check_goals(rows), "results": rows}
-        if any(r.get("phase") for r in rows):
-            data["time_to_target"] = tt = time_to_target_results(rows, meta)
+        tt = time_to_target_results(rows, meta) if any(r.get("phase") for r in rows) else None
+        if tt is not None:
+            data["time_to_target"] = tt
         json.dump(data, f, indent=1, default=_jsonable)
     columns = ["model", "hosts", "bandwidth", "system", "status", "step_s", "mean_step_s", "samples_per_s", "speedup",
                "step_ratio", "bytes_per_step", "line_rate", "accuracy", "accuracy_min", "final_loss", "compute_s",
@@ -304,18 +305,28 @@ def write_results(out_dir: str, name: str, rows: list[dict], meta: dict, make_pl
         writer.writeheader()
         for r in rows:
             writer.writerow({k: r.get(k) for k in columns})
+    return paths + render(os.path.join(out_dir, name), rows, meta, tt=tt, make_plot=make_plot)
+
+
+def render(out: str, rows: list[dict], meta: dict, tt: Optional[dict] = None, make_plot: bool = True) -> list[str]:
+    """Write what is drawn from ``rows``: ``<out>.png`` (speed against DDP), and for a ``--to-target`` run
+    ``<out>-table.md``, ``<out>-vs-bandwidth.png`` (only when some system reached the target) and
+    ``<out>-to-target.png``; return the paths. ``tt``: the :func:`time_to_target_results` of ``rows``, when the
+    caller has it already."""
+    paths = []
     speed = speed_rows(rows)
     if make_plot and any(r.get("status") == "ok" and r.get("speedup") is not None for r in speed):  # vs DDP
-        paths.append(plot(speed, os.path.join(out_dir, f"{name}.png"), caption=caption_for(meta)))
+        paths.append(plot(speed, out + ".png", caption=caption_for(meta)))
     if any(r.get("phase") for r in rows):
-        paths.append(os.path.join(out_dir, f"{name}-table.md"))
+        tt = tt if tt is not None else time_to_target_results(rows, meta)
+        paths.append(out + "-table.md")
         with open(paths[-1], "w") as f:
             f.write(format_time_to_target(rows, meta, tt) + "\n")
         if make_plot and any(c["time_spread"].median < float("inf") for c in tt["table"]):
-            paths.append(plot_time_vs_bandwidth(tt["table"], os.path.join(out_dir, f"{name}-vs-bandwidth.png"),
+            paths.append(plot_time_vs_bandwidth(tt["table"], out + "-vs-bandwidth.png",
                                                 caption=caption_for(meta, what="median of seeds, bars: range")))
     if make_plot and any(r.get("status") == "ok" and r.get("curve") for r in rows):
-        paths.append(plot_to_target(rows, os.path.join(out_dir, f"{name}-to-target.png"),
+        paths.append(plot_to_target(rows, out + "-to-target.png",
                                     caption=caption_for(meta, what="metric every --eval-every steps")))
     return paths
 
@@ -347,7 +358,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     JSON, CSV and plot (speedups stay relative to the DDP run of the same file and configuration).
 
     ``python -m bagua.benchmarks.report docs/results/X.json`` (no ``--name``) re-renders ``X.png`` (and, for a
-    ``--to-target`` run, ``X-table.md``, ``X-vs-bandwidth.png`` and ``X-to-target.png``) from the results already
+    ``--to-target`` run, ``X-table.md``, ``X-to-target.png`` and, when some system reached the target,
+    ``X-vs-bandwidth.png``) from the results already
     in ``X.json``, and writes nothing else: no benchmark is run again (a table whose wording changed, say).
     """
     import argparse
@@ -364,19 +376,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with open(path) as f:
                 meta = json.load(f)["meta"]
             out = os.path.join(args.out_dir or os.path.dirname(path), os.path.splitext(os.path.basename(path))[0])
-            speed = speed_rows(rows)
-            if any(r.get("status") == "ok" and r.get("speedup") is not None for r in speed):
-                print("wrote " + plot(speed, out + ".png", caption=caption_for(meta)))
-            if any(r.get("phase") for r in rows):
-                tt = time_to_target_results(rows, meta)
-                with open(out + "-table.md", "w") as f:
-                    f.write(format_time_to_target(rows, meta, tt) + "\n")
-                print("wrote " + out + "-table.md")
-                print("wrote " + plot_time_vs_bandwidth(tt["table"], out + "-vs-bandwidth.png",
-                                                        caption=caption_for(meta, what="median of seeds, bars: range")))
-            if any(r.get("status") == "ok" and r.get("curve") for r in rows):
-                print("wrote " + plot_to_target(rows, out + "-to-target.png",
-                                                caption=caption_for(meta, what="metric every --eval-every steps")))
+            for written in render(out, rows, meta):
+                print("wrote " + written)
         return 0
     out_dir = args.out_dir or os.path.dirname(args.inputs[0])
     rows, meta = merge(args.inputs)

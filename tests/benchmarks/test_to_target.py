@@ -87,6 +87,11 @@ def test_impossible_target_is_not_reached(tmp_path):
     assert [c["target_status"] for c in csv_rows if c["target_status"]] == ["not reached"]
     assert "not reached" in done.stdout and "no system reached the target" in done.stdout
     assert not (tmp_path / "tt-vs-bandwidth.png").exists()  # nothing to draw
+    # re-rendered from the stored JSON (a calibration curve's file): the same table, still no plot against bandwidth
+    table_md = (tmp_path / "tt-table.md").read_text()
+    (tmp_path / "tt-table.md").unlink()
+    assert report.main([str(tmp_path / "tt.json")]) == 0
+    assert (tmp_path / "tt-table.md").read_text() == table_md and not (tmp_path / "tt-vs-bandwidth.png").exists()
 
 
 def test_step_budget_and_summary():
