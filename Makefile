@@ -42,7 +42,7 @@ test: setup system-deps
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: setup system-deps
-	$(PY) -m bagua.benchmarks.network
+	$(PY) -m benchmarks.network
 
 clean:
 	rm -rf $(VENV) .pytest_cache

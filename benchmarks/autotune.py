@@ -1,6 +1,6 @@
 """Autotune on emulated hosts: TPE in at most 20 trials against an exhaustive bucket-size sweep.
 
-Two hosts (network namespaces joined by a bridge, bagua/benchmarks/netns.py), one rank each, gloo, Bagua's
+Two hosts (network namespaces joined by a bridge, benchmarks/netns.py), one rank each, gloo, Bagua's
 gradient allreduce. Three runs on the same shaped link:
 
 1. ``sweep``: autotune with ``strategy="grid"`` measures every bucket size 2**p of the space once;
@@ -63,7 +63,7 @@ def build_model(name: str):
 
     torch.manual_seed(0)
     if name == "mlp":  # 25.2 M parameters in 3 large matrices
-        from bagua.benchmarks.workload import build_model as build
+        from benchmarks.workload import build_model as build
 
         return build("mlp"), 1024, 1024
     layers = [torch.nn.Linear(256, 1024)]  # 12 blocks of 1024x1024 + LayerNorm: 12.9 M parameters, 38 tensors
@@ -173,7 +173,7 @@ def worker(args) -> None:
 
 
 def run(cluster, mode: str, args, workdir: str) -> None:
-    from bagua.benchmarks import netns
+    from benchmarks import netns
     from bagua.torch_api import env
 
     port = env.find_free_network_port()
@@ -242,8 +242,7 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     from bagua.autotune import read_log
-    from bagua.benchmarks import netns
-
+    from benchmarks import netns
     ok, why = netns.netns_available()
     if not ok and args.rate != "unshaped":
         print(f"no network emulation ({why}); running on loopback, unshaped")

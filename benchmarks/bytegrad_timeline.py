@@ -1,6 +1,6 @@
 """Where a ByteGrad step's time goes: per-step event times and CPU per thread, 2 emulated hosts.
 
-Starts two hosts in network namespaces (``bagua.benchmarks.netns``, tbf on both ends of each link), trains the
+Starts two hosts in network namespaces (``benchmarks.netns``, tbf on both ends of each link), trains the
 25 M-parameter MLP of the network benchmark (or, with ``--model gpt``, the GPT language model) with ByteGrad on them, and records in every step (times in ms from
 the step's start, medians over the steps after ``--skip``):
 
@@ -30,6 +30,8 @@ import sys
 import threading
 import time
 from typing import Any, Callable
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the clone's root
 
 __all__: list[str] = []
 
@@ -71,7 +73,7 @@ class _Recorder:
         import torch
         import torch.distributed as dist
 
-        from bagua.torch_api import compressed_allreduce as bytegrad  # the 8-bit collective ByteGrad runs
+        from bagua.torch_api.codecs import compressed_allreduce as bytegrad  # the 8-bit collective ByteGrad runs
 
         self.t0 = 0.0
         self.events: dict[str, float] = {}
@@ -133,7 +135,7 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import bagua.torch_api as bagua
-    from bagua.benchmarks import models
+    from benchmarks import models
     from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
 
     torch.set_num_threads(1)
@@ -202,9 +204,7 @@ def _worker(args: argparse.Namespace) -> None:
 
 def _launch(args: argparse.Namespace) -> int:
     import tempfile
-
-    from bagua.benchmarks import netns, network
-
+    from benchmarks import netns, network
     out = tempfile.mkdtemp(prefix="bytegrad-timeline-")
     argv = [sys.executable, os.path.abspath(__file__), "--worker", "--out", out, "--steps", str(args.steps),
             "--skip", str(args.skip), "--batch-size", str(args.batch_size), "--model", args.model] + (["--noop-codec"] * args.noop_codec)
@@ -239,7 +239,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=24, help="steps in all")
     parser.add_argument("--skip", type=int, default=4, help="first steps left out of the medians")
     parser.add_argument("--model", default="mlp", choices=["mlp", "gpt", "resnet", "gpt_tiny", "tiny"],
-                        help="benchmark model (bagua.benchmarks.models): the MLP, or the GPT language model")
+                        help="benchmark model (benchmarks.models): the MLP, or the GPT language model")
     parser.add_argument("--batch-size", type=int, default=0, help="per-host batch size (0: the model's own)")
     parser.add_argument("--noop-codec", action="store_true", help="replace the codec by no-ops (the floor)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds before the workers are given up")

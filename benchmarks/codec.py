@@ -1,11 +1,11 @@
 """Codec throughput: GB/s of float32 input for encode, decode and the scatter-reduce's decode-sum.
 
 For each size (1M and 25M floats by default) split into ``--chunks`` chunks (the ranks of a ByteGrad bucket),
-times ``bagua.torch_api.compression`` (MinMaxUInt8) against the same formula written as whole-tensor torch ops
+times ``bagua.torch_api.codecs.minmax_uint8`` (MinMaxUInt8) against the same formula written as whole-tensor torch ops
 (what a plain port does: one full-size temporary per step), on CPU with ``--threads`` intra-op threads and, when
 CUDA is available, on the GPU. GB/s = 4 bytes x elements / median time.
 
-A second table times the block-wise codecs of ``bagua.torch_api.block_codec`` (bf16, uint8, uint4) on the same
+A second table times the block-wise codecs of ``bagua.torch_api.codecs.block`` (bf16, uint8, uint4) on the same
 sizes, for every ``--block-sizes``, round-robin with MinMaxUInt8 on the same tensor so that both see the same
 load: ``vs mm`` is MinMaxUInt8's time over the codec's (encode against encode, decode against decode,
 decode-and-add against decode-sum; above 1 is faster), then the wire bytes per element. Run:
@@ -29,8 +29,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bagua.torch_api import block_codec  # noqa: E402
-from bagua.torch_api import compression as codec  # noqa: E402
+from bagua.torch_api.codecs import block as block_codec  # noqa: E402
+from bagua.torch_api.codecs import minmax_uint8 as codec  # noqa: E402
 
 
 def parse_args(argv=None):

@@ -1,6 +1,6 @@
 """MinMaxUInt8 with ``torch.compile`` (Triton on a GPU) against the eager codec: speed and bit-identity.
 
-The eager CUDA codec (``bagua.torch_api.compression``) makes about ten passes over memory per element (min, max,
+The eager CUDA codec (``bagua.torch_api.codecs.minmax_uint8``) makes about ten passes over memory per element (min, max,
 multiply, round, subtract, clamp, cast, each a kernel). Written as one expression, ``torch.compile`` fuses the
 encode into two kernels (a min/max reduction, then one read of the floats and one write of the codes) and the
 decode into one. This script times both against the eager code on the same tensor and counts the codes and
@@ -24,7 +24,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)  # benchmarks/codec.py, also when gpu_check loads this file by its path
 
-from bagua.torch_api import compression as codec  # noqa: E402
+from bagua.torch_api.codecs import minmax_uint8 as codec  # noqa: E402
 from codec import timed_together  # noqa: E402 - the codec benchmark's round-robin timer
 
 
@@ -43,7 +43,7 @@ def _decode_into(codes: torch.Tensor, out: torch.Tensor, scale: torch.Tensor, lo
 
 
 class Compiled:
-    """The compiled encode and decode, on the same wire layout as :mod:`bagua.torch_api.compression`."""
+    """The compiled encode and decode, on the same wire layout as :mod:`bagua.torch_api.codecs.minmax_uint8`."""
 
     def __init__(self) -> None:
         self.minmax = torch.compile(_minmax, dynamic=False)

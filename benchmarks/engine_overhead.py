@@ -16,15 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the clone's root
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import bagua.torch_api as bagua
-from bagua.benchmarks.workload import MODELS, build_model
+from benchmarks.workload import MODELS, build_model
 from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 
 __all__: list[str] = []

@@ -6,7 +6,7 @@
 #
 # It writes OUT_DIR/gpu_check.json and gpu_check.log (and the network stages' CSV/JSON). Without CUDA the same
 # steps run as a dry run: each part that needs CUDA is skipped with one line. Options: python -m
-# bagua.benchmarks.gpu_check --help. PYTHON picks the interpreter (default python3, the one holding torch there).
+# benchmarks.gpu_check --help. PYTHON picks the interpreter (default python3, the one holding torch there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -29,4 +29,4 @@ if ! { command -v ip && command -v tc; } >/dev/null 2>&1 && compgen -G "$wheels/
   export LD_LIBRARY_PATH="$libs${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   echo "gpu_check.sh: ip and tc from $wheels/debs ($(command -v tc))"
 fi
-exec "$PY" -m bagua.benchmarks.gpu_check "$@"
+exec "$PY" -m benchmarks.gpu_check "$@"

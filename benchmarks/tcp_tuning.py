@@ -1,6 +1,6 @@
 """Multistream allreduce (the gloo "Bagua-Net") on emulated hosts: allreduce GB/s and DDP step time.
 
-Two hosts (network namespaces joined by a bridge, bagua/benchmarks/netns.py), one rank each, gloo. For every
+Two hosts (network namespaces joined by a bridge, benchmarks/netns.py), one rank each, gloo. For every
 link rate (unshaped, 10gbit, 1gbit by default) it measures, interleaving the settings so that drift on the
 shared machine hits all of them alike:
 
@@ -80,7 +80,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from bagua.benchmarks.workload import build_model
+    from benchmarks.workload import build_model
     from bagua.torch_api import multistream
 
     torch.set_num_threads(1)
@@ -184,8 +184,7 @@ def worker(args) -> None:
 def _cap_flows(cluster, link: str, cap: str) -> int:
     """Give every TCP connection of every host its own htb class of rate ``cap`` under ``link``; return how
     many connections were capped. Deleting the namespaces removes it all."""
-    from bagua.benchmarks import netns
-
+    from benchmarks import netns
     link_bits, cap_bits = netns.parse_rate(link), netns.parse_rate(cap)
     n = 0
     for host in cluster.hosts:
@@ -218,7 +217,7 @@ def run_rate(cluster, rate: str, args, workdir: str, port: int) -> dict:
     cluster.shape(link)
     out = os.path.join(workdir, f"{rate}.json")
     procs = []
-    from bagua.benchmarks import netns
+    from benchmarks import netns
     from bagua.torch_api import env
 
     for host in cluster.hosts:
@@ -282,7 +281,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    from bagua.benchmarks import netns
+    from benchmarks import netns
     from bagua.torch_api import env
 
     ok, why = netns.netns_available()

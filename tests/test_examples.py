@@ -20,7 +20,7 @@ def _launch(script: str, *args: str, cwd: str, timeout: float = 90) -> str:
          *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
     )
     # A clean exit is part of the check: Bagua releases its process groups before the interpreter finalizes
-    # (bagua.torch_api.lifecycle), so gloo never aborts a finished script ("terminate called ...", SIGABRT).
+    # (bagua.torch_api.comm.lifecycle), so gloo never aborts a finished script ("terminate called ...", SIGABRT).
     assert proc.returncode == 0, f"{script} exit {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 

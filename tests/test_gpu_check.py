@@ -14,9 +14,7 @@ import subprocess
 import sys
 
 import pytest
-
-from bagua.benchmarks import gpu_check, gpu_check_network
-
+from benchmarks import gpu_check, gpu_check_network
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--stage", "install,tests,codec,step,network,latency", "--dry-run", "--budget-s", "300",
         "--tests-path", "tests/gpu/test_kernels_on_cuda.py", "--codec-elements", "4096", "--codec-chunks", "2",
@@ -109,7 +107,7 @@ def test_gpu_tests_only_skips_the_rest(tmp_path):
             "--tests-path", "tests/gpu/test_kernels_on_cuda.py", "--network-models", "tiny", "--network-hosts", "2",
             "--network-rates", "100mbit", "--network-systems", "gradient_allreduce", "--network-warmup", "1",
             "--network-steps", "1"]
-    proc = subprocess.run([sys.executable, "-m", "bagua.benchmarks.gpu_check", str(tmp_path), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", str(tmp_path), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "gpu_check.json") as f:

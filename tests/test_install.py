@@ -40,7 +40,7 @@ def test_lmdb_is_a_core_dependency_and_all_covers_every_extra():
 
 
 def test_bench_without_scikit_learn_stops_before_any_work_and_names_the_extra(tmp_path):
-    proc = _run_without(tmp_path, ["sklearn"], ["-m", "bagua.benchmarks.network", "--models", "mlp,digits",
+    proc = _run_without(tmp_path, ["sklearn"], ["-m", "benchmarks.network", "--models", "mlp,digits",
                                                 "--out-dir", str(tmp_path / "out")])
     assert proc.returncode != 0
     assert "the digits model needs scikit-learn" in proc.stderr and "pip install 'bagua[bench]'" in proc.stderr
@@ -54,7 +54,7 @@ def test_bench_without_matplotlib_still_writes_json_and_csv(tmp_path):
     out = tmp_path / "out"
     script = (
         "import sys\n"
-        "from bagua.benchmarks import network\n"
+        "from benchmarks import network\n"
         "row = {'model': 'tiny', 'hosts': 2, 'bandwidth': 'unshaped', 'status': 'ok', 'step_s': 0.01,"
         " 'samples_per_s': 6400.0}\n"
         "network.run_suite = lambda args: ([dict(row, system='ddp'), dict(row, system='gradient_allreduce')],"

@@ -22,13 +22,13 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
-from bagua.torch_api import hierarchy
+from bagua.torch_api.comm import hierarchy
 from bagua.torch_api import multistream
 from bagua.torch_api.communication import ReduceOp
-from bagua.torch_api.async_ops import AsyncModelAverageOp
-from bagua.torch_api.compressed_bucket_op import centralized_low_precision_op
-from bagua.torch_api.decentralized_ops import LowPrecisionDecentralizedOp, Replicas, decentralized_op
-from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.ops.async_average import AsyncModelAverageOp
+from bagua.torch_api.ops.compressed import centralized_low_precision_op
+from bagua.torch_api.ops.decentralized import LowPrecisionDecentralizedOp, Replicas, decentralized_op
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, as_bagua_tensor
 
 __all__ = [

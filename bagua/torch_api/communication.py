@@ -13,11 +13,9 @@ Example:
 """
 
 from __future__ import annotations
-
-from bagua.torch_api import coalesced as _coalesced
-from bagua.torch_api import lifecycle as _lifecycle
-from bagua.torch_api.coalesced import allreduce_coalesced_inplace, broadcast_coalesced, init_bagua_communicator
-from bagua.torch_api.collectives import (
+from bagua.torch_api.comm import coalesced as _coalesced, lifecycle as _lifecycle
+from bagua.torch_api.comm.coalesced import allreduce_coalesced_inplace, broadcast_coalesced, init_bagua_communicator
+from bagua.torch_api.comm.collectives import (
     Comm,
     all_gather_tensor,
     allgather,
@@ -43,7 +41,7 @@ from bagua.torch_api.collectives import (
     scatter_inplace,
     send,
 )
-from bagua.torch_api.lifecycle import (  # the original's import path for these
+from bagua.torch_api.comm.lifecycle import (  # the original's import path for these
     from_torch_group,
     get_backend,
     init_process_group,
@@ -51,8 +49,8 @@ from bagua.torch_api.lifecycle import (  # the original's import path for these
     new_group,
     on_shutdown,
 )
-from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
-from bagua.torch_api.reduce_op import ReduceOp
+from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.comm.reduce_op import ReduceOp
 
 # The collectives live in collectives.py, ReduceOp in reduce_op.py, the original's coalesced and communicator
 # helpers in coalesced.py, the default group's start and end in lifecycle.py; this module, the original's import

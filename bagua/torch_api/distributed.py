@@ -20,7 +20,7 @@ import torch
 from bagua.torch_api import communication as comm
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket
-from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import TENSOR_METHODS, TensorMethods
 
 if TYPE_CHECKING:

@@ -11,9 +11,7 @@ import subprocess
 import sys
 
 import pytest
-
-from bagua.benchmarks import netns
-
+from benchmarks import netns
 _AVAILABLE, _WHY = netns.netns_available()
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bytegrad_timeline.py")
 ORDER = ["fwd", "ready0", "b0s", "b0_send", "b0_scatter", "b0_gather", "b0e", "b1s", "b1_send", "b1_scatter",

@@ -16,10 +16,9 @@ from argparse import Namespace
 
 import pytest
 import torch
-
-from bagua.benchmarks import netns
-from bagua.benchmarks.network import Job, run_job
-from bagua.benchmarks.workload import _batches, build_model
+from benchmarks import netns
+from benchmarks.network import Job, run_job
+from benchmarks.workload import _batches, build_model
 
 _AVAILABLE, _WHY = netns.netns_available()
 needs_netns = [pytest.mark.netns, pytest.mark.skipif(not _AVAILABLE, reason=_WHY)]
@@ -97,7 +96,7 @@ def test_failed_run_is_reported_and_cleaned_up(tmp_path):
 @pytest.mark.skipif(not _AVAILABLE, reason=_WHY)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_deletes_namespaces_and_kills_hosts(sig, tmp_path):
-    cmd = [sys.executable, "-m", "bagua.benchmarks.network", "--hosts", "2", "--bandwidths", "100mbit",
+    cmd = [sys.executable, "-m", "benchmarks.network", "--hosts", "2", "--bandwidths", "100mbit",
            "--models", "tiny", "--systems", "ddp", "--warmup", "1", "--steps", "100000", "--out-dir", ""]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     prefix = f"bgb{proc.pid}"
@@ -128,7 +127,7 @@ def test_falls_back_to_loopback_without_ip(tmp_path):
     # with no `ip` on PATH the suite must say so and run on loopback, unshaped only
     env = dict(os.environ, PATH="/nonexistent")
     out_dir = tmp_path / "res"
-    cmd = [sys.executable, "-m", "bagua.benchmarks.network", "--hosts", "2", "--bandwidths", "unshaped,1gbit",
+    cmd = [sys.executable, "-m", "benchmarks.network", "--hosts", "2", "--bandwidths", "unshaped,1gbit",
            "--models", "tiny", "--systems", "ddp", "--warmup", "1", "--steps", "2",
            "--out-dir", str(out_dir), "--name", "fb"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)

@@ -6,9 +6,8 @@ import csv
 import json
 
 import pytest
-
-from bagua.benchmarks import netns, report
-from bagua.benchmarks.systems import _IntervalTimer
+from benchmarks import netns, report
+from benchmarks.systems import _IntervalTimer
 
 
 def test_parse_and_format_rate():
@@ -117,7 +116,7 @@ def test_combine_repeats_takes_medians_per_configuration():
 
 
 def test_split_system_reads_algorithm_arguments():
-    from bagua.benchmarks.workload import split_system
+    from benchmarks.workload import split_system
 
     assert split_system("bytegrad") == ("bytegrad", {})
     assert split_system("decentralized:peer_selection_mode=shift_one:communication_interval=2") == (

@@ -10,8 +10,7 @@ import pytest
 
 from bagua.autotune import AutotuneLog, Hyperparameters
 from bagua.autotune import log as autotune_log
-from bagua.benchmarks import plots, report
-
+from benchmarks import plots, report
 SYSTEMS = {"ddp": (1.0, 1.0), "ddp_fp16": (1.2, 1.9), "bytegrad": (1.1, 3.4), "decentralized": (0.9, 2.2)}
 
 
@@ -23,7 +22,7 @@ def _results(tmp_path):
                          "step_s": 0.1 / speedup})
         rows.append({"model": "mlp", "hosts": 4, "bandwidth": "1gbit", "system": system, "status": "ok",
                      "step_s": 0.2 / slow})
-    meta = {"command": "python -m bagua.benchmarks.network --hosts 2 " + "--a-very-long-flag x " * 20,
+    meta = {"command": "python -m benchmarks.network --hosts 2 " + "--a-very-long-flag x " * 20,
             "emulated": True, "started": "2026-11-22 10:50:39"}
     path = tmp_path / "suite.json"
     path.write_text(json.dumps({"meta": meta, "goals": [], "results": rows}))

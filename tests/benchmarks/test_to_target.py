@@ -11,12 +11,9 @@ import subprocess
 import sys
 
 import pytest
-
-from bagua.benchmarks import report, to_target, to_target_plan
-
-
+from benchmarks import report, to_target, to_target_plan
 def _suite(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, list[dict], list[dict]]:
-    cmd = [sys.executable, "-m", "bagua.benchmarks.network", "--loopback", "--hosts", "2", "--to-target",
+    cmd = [sys.executable, "-m", "benchmarks.network", "--loopback", "--hosts", "2", "--to-target",
            "--out-dir", str(tmp_path), "--name", "tt", *flags]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     rows = json.loads((tmp_path / "tt.json").read_text())["results"] if (tmp_path / "tt.json").exists() else []
@@ -123,7 +120,7 @@ def test_step_budget_and_summary():
 
 
 def test_suite_flags_are_checked():
-    from bagua.benchmarks.network import parse_args
+    from benchmarks.network import parse_args
 
     with pytest.raises(ValueError, match="add --to-target"):
         parse_args(["--models", "gpt", "--target", "gpt=2.5"])
@@ -148,7 +145,7 @@ def test_suite_flags_are_checked():
 
 
 def test_plan_measures_convergence_once_and_step_time_per_network():
-    from bagua.benchmarks.network import _plan, parse_args
+    from benchmarks.network import _plan, parse_args
 
     args = parse_args(["--to-target", "--models", "gpt", "--hosts", "2", "--bandwidths", "unshaped,1gbit,10mbit",
                        "--seeds", "2", "--validate", "ddp_fp16@1gbit", "--steps", "5"])
@@ -174,7 +171,7 @@ def test_plan_measures_convergence_once_and_step_time_per_network():
 
 
 def test_step_times_only_skips_the_convergence_runs_and_the_qadam_warmup_is_kept():
-    from bagua.benchmarks.network import _plan, parse_args
+    from benchmarks.network import _plan, parse_args
 
     with pytest.raises(ValueError, match="not --repeats"):
         parse_args(["--to-target", "--models", "gpt", "--repeats", "3"])
@@ -194,7 +191,7 @@ def test_step_times_only_skips_the_convergence_runs_and_the_qadam_warmup_is_kept
 
 
 def test_a_timing_dependent_system_alone_runs_on_the_one_link_asked_for():
-    from bagua.benchmarks.network import _plan, parse_args
+    from benchmarks.network import _plan, parse_args
 
     args = parse_args(["--to-target", "--models", "gpt", "--hosts", "4", "--bandwidths", "10mbit", "--systems",
                        "async", "--seeds", "1", "--first-seed", "2"])
@@ -203,7 +200,7 @@ def test_a_timing_dependent_system_alone_runs_on_the_one_link_asked_for():
 
 
 def test_seeds_of_gives_one_system_its_own_seed_count():
-    from bagua.benchmarks.network import _plan, parse_args
+    from benchmarks.network import _plan, parse_args
 
     args = parse_args(["--to-target", "--models", "gpt", "--bandwidths", "unshaped,1gbit", "--seeds", "3",
                        "--seeds-of", "ddp_fp16=1", "--seeds-of", "diloco:sync_every=10=2"])

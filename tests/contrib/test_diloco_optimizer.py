@@ -180,7 +180,7 @@ def _worker_all(rank, world_size):
     import importlib.util
 
     out = {f"{name}/hook": _run_config(rank, name) for name in CONFIGS}
-    if importlib.util.find_spec("bagua.torch_api.block_allreduce") is not None:
+    if importlib.util.find_spec("bagua.torch_api.codecs.block_allreduce") is not None:
         out["uint8"] = _run_compressed(rank)
     out["diloco/no_sync"] = _run_config(rank, "diloco", no_sync=True)
     out["warmup"] = _run_warmup(rank)
@@ -237,7 +237,7 @@ def test_resume_is_bit_identical(job):
 
 def test_compressed_matches_diloco_algorithm(job):
     if "uint8" not in job[0]:
-        pytest.skip("bagua.torch_api.block_allreduce is not in this version")
+        pytest.skip("bagua.torch_api.codecs.block_allreduce is not in this version")
     for rank, result in enumerate(job):
         got, expected = result["uint8"]
         _assert_histories(got, expected, rank, "uint8")

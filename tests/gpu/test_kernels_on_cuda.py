@@ -1,7 +1,7 @@
 """The codec and the fused optimizer on CUDA (issue 31): the same bits as on CPU.
 
 - MinMaxUInt8 on CUDA gives exactly the CPU's codes (zero mismatched bytes, headers included) and the CPU's
-  formula (:func:`_formula_codes`, the ``bagua.torch_api.compression`` docstring in float32), on rows that take
+  formula (:func:`_formula_codes`, the ``bagua.torch_api.codecs.minmax_uint8`` docstring in float32), on rows that take
   the encoder's fast path and rows that take its clamp; decoding agrees to float32 rounding.
 - ``fuse_optimizer`` on CUDA steps every optimizer of the CPU parity tests bit for bit like the unfused one
   (same gradients, ``torch.equal`` on weights and state).
@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.testing import assert_close
-
-from bagua.torch_api import compression as codec
+from bagua.torch_api.codecs import minmax_uint8 as codec
 from bagua.torch_api.contrib import fuse_optimizer
 from tests.contrib.test_fused_optimizer import OPTIMIZERS, STEPS, assert_same, grads_for, make_params, set_grads
 
@@ -41,7 +40,7 @@ def _rows() -> torch.Tensor:
 
 
 def _formula_codes(x: torch.Tensor) -> torch.Tensor:
-    """The encoder's formula as written in ``bagua.torch_api.compression``, whole rows, float32 on CPU."""
+    """The encoder's formula as written in ``bagua.torch_api.codecs.minmax_uint8``, whole rows, float32 on CPU."""
     mn, mx = x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)
     scale = 255.0 / (mx - mn + codec.EPS)
     upper = torch.round(mx * scale)

@@ -63,7 +63,7 @@ def _simulate(inputs: list[list[torch.Tensor]], codec: str, block: int, average:
 
 
 def _run(c, x_by_call, codec, block, average, ef, reload_before_last=False):
-    from bagua.torch_api.block_allreduce import BlockWorkspace, block_allreduce_inplace
+    from bagua.torch_api.codecs.block_allreduce import BlockWorkspace, block_allreduce_inplace
 
     ws, outs = None, []
     for call, x in enumerate(x_by_call):
@@ -86,8 +86,9 @@ def _cases(world_size):
 
 
 def _worker(rank, world_size):
-    from bagua.torch_api import block_allreduce, communication
-    from bagua.torch_api.block_allreduce import block_allreduce_inplace
+    from bagua.torch_api import communication
+    from bagua.torch_api.codecs import block_allreduce
+    from bagua.torch_api.codecs.block_allreduce import block_allreduce_inplace
 
     c = communication._get_default_group().get_global_communicator()
     parity = []
@@ -149,8 +150,8 @@ def test_non_member_and_one_rank_leave_flat_unchanged(runs):
 
 
 def test_workspace_checks_and_state_dict():
-    from bagua.torch_api.block_allreduce import BlockWorkspace, block_allreduce_inplace, chunk_length
-    from bagua.torch_api.process_group import BaguaCommunicator
+    from bagua.torch_api.codecs.block_allreduce import BlockWorkspace, block_allreduce_inplace, chunk_length
+    from bagua.torch_api.comm.process_group import BaguaCommunicator
 
     ws = BlockWorkspace(10_000, 2, "uint4", 4096)
     assert ws.chunk == chunk_length(10_000, 2, 4096) == 8192 and ws.bounds(1) == (8192, 10_000)

@@ -1,6 +1,6 @@
 """Block-wise codecs: bit-identity with the formulas written plainly, the stated bound, wire format, edge cases.
 
-``_reference`` below restates the formulas of ``bagua.torch_api.block_codec``'s docstring with whole-tensor torch
+``_reference`` below restates the formulas of ``bagua.torch_api.codecs.block``'s docstring with whole-tensor torch
 operations (the short last block padded with copies of its last element, which leaves its min/max unchanged) and
 shares no code with the module; the codec streams the same float32 operations piece by piece, so wire bytes and
 decoded values must be identical (exact comparisons).
@@ -11,9 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.testing import assert_close
-
-from bagua.torch_api import block_codec as bc
-
+from bagua.torch_api.codecs import block as bc
 BIG = torch.finfo(torch.float32).max
 
 

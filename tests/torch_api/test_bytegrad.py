@@ -98,7 +98,7 @@ def test_registered_by_name_and_validated():
 
 
 def _worker_parity(rank, world_size, hierarchical, error_feedback, small_segments, average=True, deferred=False):
-    from bagua.torch_api import compressed_allreduce, compression
+    from bagua.torch_api.codecs import compressed_allreduce, minmax_uint8 as compression
     from bagua.torch_api.algorithms import bytegrad
     from bagua.torch_api.bucket import BaguaBucket
 
@@ -227,8 +227,7 @@ def test_unflattened_odd_sized_and_half_precision_buckets():
 
 def _worker_grouped_sends(rank, world_size):
     from bagua.torch_api import communication
-    from bagua.torch_api import compressed_allreduce as bytegrad
-
+    from bagua.torch_api.codecs import compressed_allreduce as bytegrad
     bytegrad.SEGMENT = 100  # several segments per chunk
     c = communication._get_default_group().get_global_communicator()
     g = torch.randn(world_size * 1000, generator=torch.Generator().manual_seed(rank))
@@ -401,7 +400,7 @@ def test_nonfinite_gradient_skips_the_step_on_every_rank():
 
 
 def _worker_verdict_from_headers(rank, world_size):
-    from bagua.torch_api import compressed_allreduce
+    from bagua.torch_api.codecs import compressed_allreduce
     from bagua.torch_api.algorithms import bytegrad, nonfinite
 
     scans = []

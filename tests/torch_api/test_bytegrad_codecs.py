@@ -1,7 +1,7 @@
 """ByteGrad with the block-wise codecs (``codec="uint8"``, ``"uint4"``) against the maths written plainly on tensors.
 
 The reference (:class:`RefBlockByteGrad`) gathers every rank's flat bucket (``dist.all_gather``) and runs the
-scatter-reduce-gather of ``bagua/torch_api/block_allreduce.py`` on plain tensors: chunks of whole blocks
+scatter-reduce-gather of ``bagua/torch_api/codecs/block_allreduce.py`` on plain tensors: chunks of whole blocks
 (``test_block_allreduce._chunks``), each block quantized by the codec's formula as ``test_block_codec._reference``
 writes it (no code shared with the module), the decoded copies of a chunk added in rank order in float32, divided by
 the number of ranks (a true division), quantized again; with error feedback the rank residual ``e`` and the owner's
@@ -264,7 +264,7 @@ def test_ddp_hook_equals_with_bagua():
 
 
 def test_codec_arguments_are_checked_and_parsed():
-    from bagua.benchmarks.systems import split_system
+    from benchmarks.systems import split_system
     from bagua.torch_api.algorithms import Algorithm
     from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
     from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer

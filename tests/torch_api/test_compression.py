@@ -11,11 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch.testing import assert_close
-
-from bagua.torch_api import codec_format
-from bagua.torch_api import compression as codec
-
-
+from bagua.torch_api.codecs import codec_format, minmax_uint8 as codec
 def _plain_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes and decoded values of each row of ``x``, by the formula of the module docstring."""
     x = x.float()

@@ -104,14 +104,12 @@ def _train_bagua(rank, mode, interval, hierarchical, flatten, steps=STEPS):
 
 def _worker_parity(rank, world_size, local_size, configs):
     import logging
-
-    from bagua.torch_api import decentralized_ops
-
+    from bagua.torch_api.ops import decentralized as decentralized_ops
     decentralized_ops.P2P_SEGMENT = 256  # every exchange travels in several interleaved pieces
     warnings: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: warnings.append(record.getMessage())
-    logging.getLogger("bagua.torch_api.hierarchy").addHandler(handler)
+    logging.getLogger("bagua.torch_api.comm.hierarchy").addHandler(handler)
     out = []
     for mode, interval, hierarchical, flatten, _tol in configs:
         expected = _train_reference(rank, world_size, local_size, mode, interval, hierarchical)

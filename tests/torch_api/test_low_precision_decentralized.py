@@ -95,8 +95,7 @@ def _train_reference(rank, world_size, local_size, layout, interval, hierarchica
 
 def _worker_parity(rank, world_size, local_size, configs):
     import os
-
-    from bagua.torch_api import decentralized_ops
+    from bagua.torch_api.ops import decentralized as decentralized_ops
     from bagua.torch_api.algorithms.decentralized import LowPrecisionDecentralizedAlgorithm
 
     decentralized_ops.P2P_SEGMENT = 256  # every exchange travels in several interleaved pieces

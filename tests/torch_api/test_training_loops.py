@@ -569,7 +569,7 @@ def test_rebucketing_keeps_the_replicas_consistent():
 
 def test_shift_one_refuses_a_hierarchical_mode_with_an_odd_number_of_nodes():
     from bagua.torch_api.algorithms.decentralized import DecentralizedAlgorithmImpl
-    from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+    from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 
     # 6 ranks on 3 nodes of 2 (built by hand: the layout is all that decides; no torch group is needed)
     group = BaguaProcessGroup(list(range(6)), None, "three-nodes")

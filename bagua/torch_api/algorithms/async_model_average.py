@@ -41,10 +41,10 @@ from bagua.torch_api import env
 from bagua.torch_api.algorithms._checks import check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms._weights import _one_bucket_per_dtype, _weight_tensors
-from bagua.torch_api.async_ops import WeightLock, average_round, flat_like, negotiate
+from bagua.torch_api.ops.async_average import WeightLock, average_round, flat_like, negotiate
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.distributed import engine_of
-from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = ["AsyncModelAverageAlgorithm", "AsyncModelAverageAlgorithmImpl"]
@@ -52,7 +52,7 @@ __all__ = ["AsyncModelAverageAlgorithm", "AsyncModelAverageAlgorithmImpl"]
 logger = logging.getLogger(__name__)
 
 _NEW, _RUNNING, _STOPPED = "new", "running", "stopped"
-# The round and the lock live in bagua.torch_api.async_ops (shared with BaguaBucket's op appender).
+# The round and the lock live in bagua.torch_api.ops.async_average (shared with BaguaBucket's op appender).
 _WeightLock = WeightLock
 
 

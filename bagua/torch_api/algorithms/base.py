@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch
 
 from bagua.torch_api.bucket import BaguaBucket
-from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, grad_tensor
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ Bagua paper: https://arxiv.org/abs/2107.01499. With ``n`` ranks in the communica
 it splits into ``n`` equal chunks):
 
 1. split the flat bucket into ``n`` chunks and encode each with its own min/max
-   (:mod:`bagua.torch_api.compression`);
+   (:mod:`bagua.torch_api.codecs.minmax_uint8`);
 2. all-to-all, point to point: rank ``r`` receives every rank's encoded chunk ``r`` (its own never travels);
 3. decode them and add them in rank order in float32, then divide by ``n`` (``average=True``);
 4. encode the reduced chunk ``r`` and all-gather the encoded chunks;
@@ -30,10 +30,10 @@ so no part of a gradient is lost for good: what quantization drops in one step i
 
 Codecs (``codec=``): ``"chunk"`` is the above, one min/max per rank chunk (the original's code, kept bit for bit).
 ``"uint8"`` and ``"uint4"`` take one min/max per block of ``block_size`` consecutive elements of the bucket
-(:mod:`bagua.torch_api.block_codec`, 8 or 4 bits per value, 8 header bytes per block), with the same
-scatter-reduce-gather and error feedback (:mod:`bagua.torch_api.block_allreduce`): chunks are whole blocks and
+(:mod:`bagua.torch_api.codecs.block`, 8 or 4 bits per value, 8 header bytes per block), with the same
+scatter-reduce-gather and error feedback (:mod:`bagua.torch_api.codecs.block_allreduce`): chunks are whole blocks and
 the bucket is not padded. Per element, one quantization errs by at most
-:func:`~bagua.torch_api.block_codec.error_bound` ``= r / (2 L) + 2**-19 M`` (``r``, ``M``: the range and largest
+:func:`~bagua.torch_api.codecs.block.error_bound` ``= r / (2 L) + 2**-19 M`` (``r``, ``M``: the range and largest
 magnitude of its block; ``L = 255`` or ``15``), so a small tensor keeps its own resolution instead of that of the
 largest tensor of its chunk.
 
@@ -62,16 +62,16 @@ from bagua.torch_api.algorithms.nonfinite import (
     FiniteVerdicts,
     check_finite_after_communication,
 )
-from bagua.torch_api.block_codec import DEFAULT_BLOCK
+from bagua.torch_api.codecs.block import DEFAULT_BLOCK
 from bagua.torch_api.bucket import BaguaBucket
-from bagua.torch_api.compressed_allreduce import (  # noqa: F401  (the collective's names, as the original had them here)
+from bagua.torch_api.codecs.compressed_allreduce import (  # noqa: F401  (the collective's names, as the original had them here)
     SEGMENT,
     Workspace,
     all_finite,
     low_precision_allreduce_inplace,
 )
-from bagua.torch_api.compressed_bucket_op import CODECS, centralized_low_precision_op, check_codec
-from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.ops.compressed import CODECS, centralized_low_precision_op, check_codec
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 
 __all__ = [
     "SEGMENT",
@@ -192,7 +192,7 @@ class ByteGradAlgorithm(Algorithm):
             ``"uint4"`` (block-wise, 4 bits per value: half the bytes of ``"uint8"``, for very slow links; coarser,
             pair it with ``error_feedback=True``). See the module docstring for the bounds.
         block_size: elements per block of ``"uint8"``/``"uint4"`` (even; default
-            :data:`~bagua.torch_api.block_codec.DEFAULT_BLOCK`).
+            :data:`~bagua.torch_api.codecs.block.DEFAULT_BLOCK`).
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, with error feedback: the residuals follow its
             scale changes (module docstring). Not needed otherwise.
 

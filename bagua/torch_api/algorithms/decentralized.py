@@ -27,14 +27,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
-
-from bagua.torch_api import hierarchy
+from bagua.torch_api.comm import hierarchy
 from bagua.torch_api.algorithms._checks import check_choice
 from bagua.torch_api.algorithms._weights import _check_interval, _one_bucket_per_dtype, _weight_tensors
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
 from bagua.torch_api.bucket import BaguaBucket
-from bagua.torch_api.decentralized_ops import (
+from bagua.torch_api.ops.decentralized import (
     PEER_SELECTION_MODES,
     copy_weights_from,
     copy_weights_into,
@@ -43,7 +42,7 @@ from bagua.torch_api.decentralized_ops import (
     shift_one_peer,
     start_exchange,
 )
-from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = [
@@ -56,7 +55,7 @@ __all__ = [
     "ring_neighbours",
 ]
 
-# The communication lives in bagua.torch_api.decentralized_ops (shared with the bucket's op appenders); the old
+# The communication lives in bagua.torch_api.ops.decentralized (shared with the bucket's op appenders); the old
 # private names stay importable from here.
 _start_exchange = start_exchange
 _peer_communicator = peer_communicator

@@ -14,7 +14,7 @@ Streaming DiLoCo (https://arxiv.org/abs/2501.18512) adds three things, each a kn
   run; the outer step then lands on weights that moved on, and the two are merged as
   ``x = alpha * x + (1 - alpha) * g`` (``overlap_alpha``, the paper's alpha; with ``tau = 0`` simply ``x = g``);
 - ``compression``: the pseudo-gradient travels as ``"bf16"``, or in 8 or 4 bits per value with a min/max per block
-  (``"uint8"``, ``"uint4"``, :mod:`bagua.torch_api.block_codec`), through a scatter-reduce-gather; accumulation
+  (``"uint8"``, ``"uint4"``, :mod:`bagua.torch_api.codecs.block`), through a scatter-reduce-gather; accumulation
   and the outer step stay in float32, and error feedback (on by default when compressed) carries each rank's
   quantization error to its next pseudo-gradient.
 
@@ -40,11 +40,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from bagua.torch_api import env, hierarchy
+from bagua.torch_api import env
+from bagua.torch_api.comm import hierarchy
 from bagua.torch_api.algorithms._checks import check_bool, check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from bagua.torch_api.diloco_ops import FRAGMENT_LAYOUTS, Fragment, due_fragments, split_fragments, sync_offsets
-from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.ops.diloco import FRAGMENT_LAYOUTS, Fragment, due_fragments, split_fragments, sync_offsets
+from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS"]
@@ -180,7 +181,7 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         self.syncs += 1
 
     def _make_workspace(self, fragment: Fragment):
-        from bagua.torch_api.block_allreduce import BlockWorkspace
+        from bagua.torch_api.codecs.block_allreduce import BlockWorkspace
 
         c = hierarchy.exchange_communicator(self._exchange_group, self.hierarchical)
         return BlockWorkspace(fragment.numel, c.nranks(), self.hyper.compression, self.hyper.block_size)

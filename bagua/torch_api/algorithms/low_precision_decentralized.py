@@ -9,14 +9,13 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional
 
 import torch
-
-from bagua.torch_api import hierarchy
+from bagua.torch_api.comm import hierarchy
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms._weights import _check_interval, _weight_tensors
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
 from bagua.torch_api.bucket import BaguaBucket
-from bagua.torch_api.decentralized_ops import LowPrecisionDecentralizedOp, Replicas
-from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.ops.decentralized import LowPrecisionDecentralizedOp, Replicas
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithmImpl"]

@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.compressed_allreduce import all_finite
+from bagua.torch_api.codecs.compressed_allreduce import all_finite
 
 __all__ = [
     "NONFINITE_POLICIES",
@@ -42,7 +42,7 @@ NONFINITE_POLICIES = ("propagate", "raise", "skip", "ignore")
 
 class FiniteVerdicts:
     """The NaN/Inf verdicts of one step's buckets: recorded on the communication thread as each bucket finishes
-    (``on_finite`` of :func:`~bagua.torch_api.compressed_bucket_op.centralized_low_precision_op`), taken by the
+    (``on_finite`` of :func:`~bagua.torch_api.ops.compressed.centralized_low_precision_op`), taken by the
     post-backward hook for :func:`check_finite_after_communication`."""
 
     def __init__(self) -> None:

@@ -59,10 +59,10 @@ from bagua.torch_api.algorithms.nonfinite import (
     agree_on_finite_gradients,
     check_finite_after_communication,
 )
-from bagua.torch_api.block_codec import DEFAULT_BLOCK
+from bagua.torch_api.codecs.block import DEFAULT_BLOCK
 from bagua.torch_api.bucket import BaguaBucket
-from bagua.torch_api.compressed_bucket_op import centralized_low_precision_op, check_codec
-from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.ops.compressed import centralized_low_precision_op, check_codec
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = ["QAdamOptimizer", "QAdamAlgorithm", "QAdamAlgorithmImpl", "resolve_warmup"]

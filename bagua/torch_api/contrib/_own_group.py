@@ -8,7 +8,7 @@ without :func:`bagua.torch_api.init_process_group` (plain ``torch.distributed.in
 At interpreter exit, while the interpreter is still whole, every owner registered with :func:`release_at_exit`
 stops its thread and drops its group, which is then collected: a gloo group freed during finalization joins its
 C++ threads there, and one of them dropping the last reference to a finished work can abort the process with
-"terminate called without an active exception" (see :func:`bagua.torch_api.lifecycle._shutdown`).
+"terminate called without an active exception" (see :func:`bagua.torch_api.comm.lifecycle._shutdown`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from bagua.torch_api import env
-from bagua.torch_api.process_group import BaguaCommunicator, new_torch_group
+from bagua.torch_api.comm.process_group import BaguaCommunicator, new_torch_group
 
 __all__ = ["group_ranks", "own_communicator", "release_at_exit"]
 
@@ -31,7 +31,7 @@ _owners: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 def group_ranks(process_group: Any, owner: str) -> list[int]:
     """The global ranks of ``process_group``: ``None`` (the default group), a torch ``ProcessGroup`` or a
-    :class:`~bagua.torch_api.process_group.BaguaProcessGroup`."""
+    :class:`~bagua.torch_api.comm.process_group.BaguaProcessGroup`."""
     if not (dist.is_available() and dist.is_initialized()):
         raise ValueError(f"{owner} needs torch.distributed: call torch.distributed.init_process_group() (or "
                          "bagua.torch_api.init_process_group()) first, on every rank")

@@ -6,8 +6,8 @@ prepared model) and Lightning (``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=.
 only) pass them through. A snippet per framework: ``docs/integrations.md``.
 
 ByteGrad = MinMaxUInt8 around a scatter-reduce-gather allreduce
-(:func:`~bagua.torch_api.compressed_allreduce.low_precision_allreduce_inplace`, or with ``codec="uint8"``/``"uint4"``
-one min/max per block, :func:`~bagua.torch_api.block_allreduce.block_allreduce_inplace`; Bagua paper:
+(:func:`~bagua.torch_api.codecs.compressed_allreduce.low_precision_allreduce_inplace`, or with ``codec="uint8"``/``"uint4"``
+one min/max per block, :func:`~bagua.torch_api.codecs.block_allreduce.block_allreduce_inplace`; Bagua paper:
 https://arxiv.org/abs/2107.01499): the maths of :class:`~bagua.torch_api.algorithms.bytegrad.ByteGradAlgorithm`
 (flat, averaged), applied to DDP's buckets. For each bucket:
 
@@ -48,14 +48,14 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api.algorithms._checks import check_bool
-from bagua.torch_api.block_allreduce import BlockWorkspace, block_allreduce_inplace
-from bagua.torch_api.block_codec import DEFAULT_BLOCK, wire_numel
-from bagua.torch_api.compressed_allreduce import SEGMENT, Workspace, all_finite, low_precision_allreduce_inplace
-from bagua.torch_api.compressed_bucket_op import check_codec
-from bagua.torch_api.compression import HEADER_BYTES
+from bagua.torch_api.codecs.block_allreduce import BlockWorkspace, block_allreduce_inplace
+from bagua.torch_api.codecs.block import DEFAULT_BLOCK, wire_numel
+from bagua.torch_api.codecs.compressed_allreduce import SEGMENT, Workspace, all_finite, low_precision_allreduce_inplace
+from bagua.torch_api.ops.compressed import check_codec
+from bagua.torch_api.codecs.minmax_uint8 import HEADER_BYTES
 from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.data_parallel._comm_plane import CommJob, CommWorker
-from bagua.torch_api.process_group import BaguaCommunicator
+from bagua.torch_api.comm.process_group import BaguaCommunicator
 
 __all__ = ["CODECS", "ByteGradState", "bytegrad_hook", "LocalState", "local_hook"]
 
@@ -75,7 +75,7 @@ class ByteGradState:
 
     Args:
         process_group: the ranks to average over: ``None`` (the default group, as DDP's), a torch
-            ``ProcessGroup`` or a :class:`~bagua.torch_api.process_group.BaguaProcessGroup`; pass DDP's
+            ``ProcessGroup`` or a :class:`~bagua.torch_api.comm.process_group.BaguaProcessGroup`; pass DDP's
             ``process_group`` if you gave it one.
         error_feedback: add each rank's quantization error of the previous steps to its bucket before encoding
             (and the chunk owners' error of the second quantization likewise; EF-SGD,

@@ -1,7 +1,7 @@
 """DiLoCo for plain DDP: an optimizer wrapper, designed after torch's ``PostLocalSGDOptimizer`` / ``ModelAverager``.
 
 The maths of :class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithm` (DiLoCo, https://arxiv.org/abs/2311.08105;
-Streaming DiLoCo, https://arxiv.org/abs/2501.18512), built from the same pieces (:mod:`bagua.torch_api.diloco_ops`),
+Streaming DiLoCo, https://arxiv.org/abs/2501.18512), built from the same pieces (:mod:`bagua.torch_api.ops.diloco`),
 for people who keep torch DDP, Accelerate or a Hugging Face ``Trainer``:
 
 1. inner steps: every rank steps its own optimizer (the *inner* one) on its own gradients. DDP must not average
@@ -39,7 +39,7 @@ from bagua.torch_api import env
 from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.data_parallel._comm_plane import CommJob, CommWorker
-from bagua.torch_api.diloco_ops import Fragment, due_fragments, split_fragments, sync_offsets
+from bagua.torch_api.ops.diloco import Fragment, due_fragments, split_fragments, sync_offsets
 
 __all__ = ["DiLoCoOptimizer"]
 
@@ -262,7 +262,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.syncs += 1
 
     def _make_workspace(self, fragment: Fragment) -> object:
-        from bagua.torch_api.block_allreduce import BlockWorkspace
+        from bagua.torch_api.codecs.block_allreduce import BlockWorkspace
 
         return BlockWorkspace(fragment.numel, self._communicator.nranks(), self.hyper.compression,
                               self.hyper.block_size)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from bagua.torch_api.lifecycle import _torch_group_of
+from bagua.torch_api.comm.lifecycle import _torch_group_of
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 

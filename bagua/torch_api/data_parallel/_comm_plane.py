@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
-from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 
 __all__ = ["private_group", "enable_multistream_like", "CommWorker", "CommJob", "register_engine"]
 
@@ -162,7 +162,7 @@ _live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def register_engine(engine: Any) -> None:
-    """Let the exit handler release ``engine``'s process groups (see :func:`bagua.torch_api.lifecycle._shutdown`)."""
+    """Let the exit handler release ``engine``'s process groups (see :func:`bagua.torch_api.comm.lifecycle._shutdown`)."""
     _live_engines.add(engine)
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
-from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 
 __all__ = ["check_consistency", "broadcast_module_and_optimizers"]
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api import env
-from bagua.torch_api import lifecycle
+from bagua.torch_api.comm import lifecycle
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket, split_bucket_by_bucket_size
 from bagua.torch_api.data_parallel import _state_sync
@@ -36,7 +36,7 @@ from bagua.torch_api.data_parallel._comm_plane import (
     private_group,
     register_engine,
 )
-from bagua.torch_api.process_group import BaguaProcessGroup
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, as_bagua_tensor, bind_engine
 
 __all__ = ["BaguaDistributedDataParallel"]

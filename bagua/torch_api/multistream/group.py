@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from bagua.torch_api import communication
 from bagua.torch_api.communication import ReduceOp
-from bagua.torch_api.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 
 if TYPE_CHECKING:
     from bagua.torch_api.multistream.choice import StreamChooser

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.lifecycle import _torch_group_of
+from bagua.torch_api.comm.lifecycle import _torch_group_of
 from bagua.torch_api.model_parallel.moe.gating import NOISY_GATE_POLICIES, TopKGate
 
 __all__ = ["MoE", "MOELayer", "Experts"]

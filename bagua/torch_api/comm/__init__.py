@@ -1,0 +1,1 @@
+"""Plain communication on torch.distributed: process groups, collectives, their lifecycle, coalescing, hierarchy."""

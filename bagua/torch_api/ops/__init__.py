@@ -1,0 +1,1 @@
+"""Bucket operations: what a bucket does when it is ready (compressed, decentralized, async, DiLoCo exchanges)."""

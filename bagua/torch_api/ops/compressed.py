@@ -1,0 +1,188 @@
+"""The bucket operation of ByteGrad and QAdam's compressed stage: a compressed allreduce per bucket, by codec.
+
+ByteGrad = a codec around a scatter-reduce-gather allreduce. The codec picks the collective:
+
+- ``"chunk"``: MinMaxUInt8 with one min/max per rank chunk (the original's; bit-identical to it),
+  :func:`~bagua.torch_api.codecs.compressed_allreduce.low_precision_allreduce_inplace`;
+- ``"uint8"`` / ``"uint4"``: one min/max per block of ``block_size`` elements, 8 or 4 bits per value
+  (:mod:`bagua.torch_api.codecs.block`, bound :func:`~bagua.torch_api.codecs.block.error_bound`),
+  :func:`~bagua.torch_api.codecs.block_allreduce.block_allreduce_inplace`.
+
+Both quantize every element twice (at its rank, then at its chunk's owner), leave identical bytes on every rank,
+carry their quantization errors to the next step with error feedback (residuals that a non-finite step rolls back,
+saved and restored with :func:`centralized_low_precision_op`'s ``state_dict``), and run hierarchically (float32
+inside a node, the codec among node leaders) through :func:`bagua.torch_api.comm.hierarchy.run_hierarchically`.
+
+Example:
+    >>> op = centralized_low_precision_op(group, hierarchical=False, codec="uint8")  # doctest: +SKIP
+    >>> bucket.append_op(op)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Optional, Union
+
+import torch
+from bagua.torch_api.comm import hierarchy
+from bagua.torch_api.codecs.block_allreduce import BlockWorkspace, block_allreduce_inplace
+from bagua.torch_api.codecs.block import DEFAULT_BLOCK
+from bagua.torch_api.codecs.compressed_allreduce import Workspace, all_finite, bucket_tag, low_precision_allreduce_inplace
+from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
+
+if TYPE_CHECKING:  # bucket.py imports this module (its MinMaxUInt8 op)
+    from bagua.torch_api.bucket import BaguaBucket, BucketOp
+
+__all__ = ["CODECS", "check_codec", "centralized_low_precision_op"]
+
+#: The codecs of :func:`centralized_low_precision_op`: ``"chunk"`` (MinMaxUInt8 with one min/max per rank chunk,
+#: the original's, :mod:`~bagua.torch_api.codecs.compressed_allreduce`) and the block-wise ``"uint8"`` and ``"uint4"`` of
+#: :mod:`~bagua.torch_api.codecs.block` (one min/max per block of ``block_size`` elements, through
+#: :func:`~bagua.torch_api.codecs.block_allreduce.block_allreduce_inplace`).
+CODECS = ("chunk", "uint8", "uint4")
+
+
+def check_codec(owner: str, codec: object, block_size: object) -> None:
+    """Raise ``ValueError`` unless ``codec`` is one of :data:`CODECS` and ``block_size`` a positive even integer.
+
+    Example:
+        >>> check_codec("ByteGradAlgorithm", "uint8", 4096)
+    """
+    if codec not in CODECS:
+        raise ValueError(
+            f"{owner}(codec={codec!r}) is not a codec; available: 'chunk' (MinMaxUInt8, one min/max per rank chunk: "
+            "the original's), 'uint8' (one min/max per block of block_size elements) or 'uint4' (4 bits per value, "
+            "block-wise, for very slow links)"
+        )
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
+        raise ValueError(f"{owner}(block_size={block_size!r}) must be a positive even integer, elements per block of "
+                         f"the 'uint8'/'uint4' codecs (default {DEFAULT_BLOCK})")
+
+
+def centralized_low_precision_op(
+    group: BaguaProcessGroup,
+    hierarchical: bool = False,
+    average: bool = True,
+    error_feedback: bool = False,
+    on_finite: Optional[Callable[[str, bool], None]] = None,
+    codec: str = "chunk",
+    block_size: int = DEFAULT_BLOCK,
+    grad_scale: Optional[Callable[[], float]] = None,
+) -> BucketOp:
+    """Return the bucket operation ``op(bucket, flat)`` of ByteGrad (and of QAdam's compressed stage).
+
+    Flat: the compressed allreduce over the group (see the module docstring for which, by ``codec``). Hierarchical
+    (when the group spans several nodes of several ranks): float32 reduce to each node's leader, the compressed
+    allreduce among the leaders, broadcast inside each node. The buffers (and error-feedback residuals) of each
+    bucket live in this op and are reused every step.
+
+    Args:
+        group: the process group.
+        hierarchical: communicate hierarchically when the group's layout allows it.
+        average: average (True) or sum (False).
+        error_feedback: carry each rank's quantization error to the next step (EF-SGD; see
+            :mod:`bagua.torch_api.algorithms.bytegrad`).
+        on_finite: called as ``on_finite(bucket.name, finite)`` after each run, ``finite`` telling whether the
+            bucket's result holds only finite values (read from the 8-bit headers where possible, see
+            :meth:`~bagua.torch_api.codecs.minmax_uint8.ChunkParams.decodes_finite`). Every rank decodes the same bytes,
+            so every rank reaches the same verdict.
+        codec: one of :data:`CODECS`.
+        block_size: elements per block of the block-wise codecs.
+        grad_scale: with error feedback, returns the scale of this step's gradients (``GradScaler.get_scale()``,
+            read on the training thread); when it changes, the residuals (kept in units of scaled gradients) are
+            multiplied by ``new_scale / old_scale`` before the exchange.
+
+    Example:
+        >>> bucket.append_op(centralized_low_precision_op(group, codec="uint8"))  # doctest: +SKIP
+    """
+    check_codec("centralized_low_precision_op", codec, block_size)
+    workspaces: dict[tuple, Union[Workspace, BlockWorkspace]] = {}
+
+    def workspace_for(bucket: BaguaBucket, flat: torch.Tensor, c: BaguaCommunicator) -> Union[Workspace,
+                                                                                             BlockWorkspace]:
+        key = (bucket.name, flat.numel(), flat.dtype, flat.device, tuple(c.ranks))
+        ws = workspaces.get(key)
+        if ws is None:
+            # a bucket rebuilt with another size: its old buffers (and residuals) cannot be reused
+            for stale in [k for k in workspaces if k[0] == bucket.name]:
+                del workspaces[stale]
+            if codec == "chunk":
+                ws = Workspace(flat.numel(), c.nranks(), flat.device, error_feedback=error_feedback)
+            else:
+                ws = BlockWorkspace(flat.numel(), c.nranks(), codec, block_size, keep_previous=error_feedback)
+            workspaces[key] = ws
+            _load_residuals(ws)
+        return ws
+
+    def low_precision_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
+        verdict: list[Optional[bool]] = [None]
+        tag = bucket_tag(bucket, group)
+        flat_mode = not hierarchy.is_hierarchical(group, hierarchical)
+        if codec != "chunk" or not flat_mode or not group.get_global_communicator().is_member() or group.size() == 1:
+            bucket.materialize_pending()  # only the flat exchange of the chunk codec reads fresh gradients in place
+        scale = grad_scale() if grad_scale is not None and error_feedback else None  # on the training thread
+
+        def exchange(t: torch.Tensor, c: BaguaCommunicator) -> None:
+            ws = workspace_for(bucket, t, c)
+            ws.follow_scale(scale)
+            if isinstance(ws, BlockWorkspace):  # its verdict is read from the result: a block holding NaN/Inf
+                x = t if t.dtype == torch.float32 else t.float()  # decodes to NaN on every rank
+                block_allreduce_inplace(x, c, codec, block_size, average, ws, error_feedback, tag)
+                if x is not t:
+                    t.copy_(x)
+                return
+            # gradients not yet copied into the bucket are read where they are (no copy of the bucket)
+            direct = flat_mode and bucket.has_pending() and ws.staging is None and ws.residual is None
+            if not direct:
+                bucket.materialize_pending()
+            verdict[0] = low_precision_allreduce_inplace(
+                t, c, average, ws, source=bucket.pieces if direct else None, tag=tag
+            )
+
+        hierarchy.run_hierarchically(group, hierarchical, flat, exchange, average)
+        # hierarchically only the leaders see the 8-bit headers: every rank then checks the broadcast result
+        finite = verdict[0] if flat_mode else None
+        if bucket.padding:
+            flat[bucket.numel :].zero_()  # the padding takes part in min/max: keep it zero, as in the maths
+        if on_finite is not None:
+            on_finite(bucket.name, all_finite(flat) if finite is None else finite)
+
+    loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint, for workspaces not yet built
+
+    def rollback() -> None:
+        for ws in workspaces.values():
+            ws.rollback()
+
+    def state_dict() -> dict[str, torch.Tensor]:
+        """This rank's error-feedback residuals (``residual``, ``server_residual``); empty without them."""
+        state = dict(loaded)
+        for ws in workspaces.values():
+            if ws.residual is not None:
+                state = {"residual": ws.residual.clone(), "server_residual": ws.server_residual.clone()}
+        return state
+
+    def load_state_dict(state: dict[str, torch.Tensor]) -> None:
+        loaded.clear()
+        loaded.update(state)
+        for ws in workspaces.values():
+            _load_residuals(ws)
+
+    def _load_residuals(ws: Union[Workspace, BlockWorkspace]) -> None:
+        if not error_feedback or not loaded:
+            return
+        if isinstance(ws, BlockWorkspace):
+            ws.load_state_dict(loaded)  # checks the shapes
+        else:
+            if loaded["residual"].shape != ws.residual.shape:
+                raise ValueError(f"error-feedback residuals of shape {tuple(loaded['residual'].shape)} cannot be "
+                                 f"loaded into a bucket of shape {tuple(ws.residual.shape)}; the checkpoint was "
+                                 "saved with other buckets, another codec or another number of ranks")
+            ws.residual.copy_(loaded["residual"])
+            ws.server_residual.copy_(loaded["server_residual"])
+        loaded.clear()
+
+    low_precision_op.reset = workspaces.clear  # type: ignore[attr-defined]  (drops buffers and residuals)
+    low_precision_op.rollback = rollback  # type: ignore[attr-defined]  (residuals as before the last call)
+    low_precision_op.state_dict = state_dict  # type: ignore[attr-defined]
+    low_precision_op.load_state_dict = load_state_dict  # type: ignore[attr-defined]
+    low_precision_op.accepts_pending = True  # type: ignore[attr-defined]  (see BaguaBucket.defer_restore)
+    return low_precision_op
