@@ -34,18 +34,16 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from bagua.torch_api import env
-from bagua.torch_api.comm import hierarchy
 from bagua.torch_api.algorithms._checks import check_bool, check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from bagua.torch_api.ops.diloco import FRAGMENT_LAYOUTS, Fragment, due_fragments, split_fragments, sync_offsets
-from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.ops.diloco import FRAGMENT_LAYOUTS
+from bagua.torch_api.ops.diloco_driver import DiLoCoDriver, driver_property
+from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS"]
@@ -55,28 +53,28 @@ COMPRESSIONS = ("none", "bf16", "uint8", "uint4")
 
 
 class DiLoCoAlgorithmImpl(AlgorithmImpl):
-    """DiLoCo bound to a group; see :class:`DiLoCoAlgorithm`."""
+    """DiLoCo bound to a group; see :class:`DiLoCoAlgorithm`. The engine's hooks drive a
+    :class:`~bagua.torch_api.ops.diloco_driver.DiLoCoDriver` that runs the exchanges on the engine's thread."""
 
     def __init__(self, process_group: BaguaProcessGroup, algorithm: "DiLoCoAlgorithm") -> None:
         super().__init__(process_group)
         # user hyper-parameters
         self.hyper = algorithm
         self.hierarchical = algorithm.hierarchical
-        self.error_feedback = algorithm.compression != "none" if algorithm.error_feedback is None else (
-            algorithm.error_feedback)
         # internal state
-        self.steps = 0  # backward ends that communicate (inner steps, warm-up included)
-        self.processed = 0  # steps whose end-of-step work (starting and finishing exchanges) is done
         self.warm = algorithm.warmup_steps > 0
-        self.fragments: list[Fragment] = []
-        self._offsets = sync_offsets(algorithm.sync_every, algorithm.fragments)
         self._stepped: set[int] = set()
-        self._loaded: Optional[dict[str, torch.Tensor]] = None
         # with overlap an exchange runs while the main thread may communicate (find_unused_parameters): own groups
-        self._exchange_group = process_group.private_copy("diloco") if algorithm.overlap_steps > 0 else process_group
-        # stats
-        self.syncs = 0
-        self.bytes_sent = 0
+        exchange_group = process_group.private_copy("diloco") if algorithm.overlap_steps > 0 else process_group
+        self.driver = DiLoCoDriver(algorithm, "DiLoCo", group=exchange_group, hierarchical=self.hierarchical)
+
+    # the driver's state, under the names this class always had
+    error_feedback = driver_property("error_feedback", "whether each rank's compression error is carried")
+    steps = driver_property("steps", "backward ends that communicate (inner steps, warm-up included)")
+    processed = driver_property("processed", "steps whose end-of-step work is done")
+    fragments = driver_property("fragments", "the fragments, built when the warm-up ends")
+    syncs = driver_property("syncs", "outer steps taken")
+    bytes_sent = driver_property("bytes_sent", "bytes this rank sent in exchanges")
 
     # -- lifecycle ---------------------------------------------------------------------------------------------
 
@@ -87,8 +85,12 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         self.warm = self.steps < self.hyper.warmup_steps
         if self.warm:
             return super().init_tensors(bagua_ddp)
+        self.driver.submit = bagua_ddp.submit_job  # exchanges run on the engine's communication thread
         if not self.fragments:
-            self._build_fragments(bagua_ddp)
+            params = [p for _, p in bagua_ddp.bagua_build_params()]
+            if not params:
+                raise ValueError("DiLoCoAlgorithm: the model has no trainable parameter")
+            self.driver.build(params)  # equal on every rank: the engine broadcast them, the warm-up averaged
         return []  # no gradient communication between synchronizations
 
     def init_operations(self, bagua_ddp, bucket) -> None:
@@ -100,7 +102,7 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         def hook(inputs: Any) -> None:
             self._stepped.clear()
             if not self.warm:
-                self._end_steps(bagua_ddp)  # a step without optimizer step (GradScaler skipped it)
+                self.driver.end_steps()  # a step without optimizer step (GradScaler skipped it)
 
         return hook
 
@@ -114,9 +116,7 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
             if self.warm:
                 bagua_ddp.launch_remaining_buckets()
                 bagua_ddp.wait_pending_comm_ops()
-            self.steps += 1
-            if self.warm:
-                self.processed = self.steps
+            self.driver.count_step(self.warm)
 
         return hook
 
@@ -124,67 +124,9 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         def hook(optimizer: torch.optim.Optimizer) -> None:
             self._stepped.add(id(optimizer))
             if not self.warm and all(id(o) in self._stepped for o in bagua_ddp.bagua_optimizers):
-                self._end_steps(bagua_ddp)
+                self.driver.end_steps()
 
         return hook
-
-    # -- fragments and their exchanges -------------------------------------------------------------------------
-
-    def _build_fragments(self, bagua_ddp) -> None:
-        params = [p for _, p in bagua_ddp.bagua_build_params()]
-        if not params:
-            raise ValueError("DiLoCoAlgorithm: the model has no trainable parameter")
-        parts = split_fragments([p.numel() * p.element_size() for p in params], self.hyper.fragments,
-                                self.hyper.fragment_layout)
-        outer = self.hyper.outer_optimizer or functools.partial(
-            torch.optim.SGD, lr=self.hyper.outer_lr, momentum=self.hyper.outer_momentum,
-            nesterov=self.hyper.nesterov and self.hyper.outer_momentum > 0,
-        )
-        self.fragments = [Fragment(i, [params[k] for k in part], outer, self.hyper.offload_outer_state)
-                          for i, part in enumerate(parts)]
-        if self._loaded is not None:
-            self.load_state_dict(self._loaded)
-
-    def _end_steps(self, bagua_ddp) -> None:
-        """Do the end-of-step work of every inner step counted and not yet processed: finish the exchanges due,
-        start the ones due (in fragment order, the same on every rank)."""
-        H, tau = self.hyper.sync_every, self.hyper.overlap_steps
-        while self.processed < self.steps:
-            self.processed += 1
-            step = self.processed - self.hyper.warmup_steps
-            for fragment in self.fragments:
-                if fragment.pending is not None and fragment.pending[0] <= step:
-                    self._finish(fragment)
-            for p in due_fragments(step, H, self._offsets):
-                self._start(bagua_ddp, self.fragments[p], step + tau)
-                if tau == 0:
-                    self._finish(self.fragments[p])
-
-    def _start(self, bagua_ddp, fragment: Fragment, finish_step: int) -> None:
-        delta = fragment.pseudo_gradient()
-        job = bagua_ddp.submit_job(lambda: self._exchange(fragment, delta),
-                                   f"DiLoCo exchange of fragment {fragment.index}", cuda=delta.is_cuda)
-        fragment.pending = (finish_step, job)
-
-    def _exchange(self, fragment: Fragment, delta: torch.Tensor) -> None:
-        """Average ``delta`` (the fragment's) over the ranks, in place (runs on the communication thread)."""
-
-        def exchange(t: torch.Tensor, c: BaguaCommunicator) -> None:
-            self.bytes_sent += fragment.exchange(c, self.hyper.compression, self.hyper.block_size,
-                                                 self.error_feedback)
-
-        hierarchy.run_hierarchically(self._exchange_group, self.hierarchical, delta, exchange, average=True)
-
-    def _finish(self, fragment: Fragment) -> None:
-        fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
-                        "DiLoCo")
-        self.syncs += 1
-
-    def _make_workspace(self, fragment: Fragment):
-        from bagua.torch_api.codecs.block_allreduce import BlockWorkspace
-
-        c = hierarchy.exchange_communicator(self._exchange_group, self.hierarchical)
-        return BlockWorkspace(fragment.numel, c.nranks(), self.hyper.compression, self.hyper.block_size)
 
     # -- checkpoints and teardown ------------------------------------------------------------------------------
 
@@ -192,28 +134,14 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         """This rank's state: step counters, each fragment's global weights, outer-optimizer tensors, residuals,
         and the result of an exchange in flight (waited for). The ranks' weights differ between synchronizations,
         so every rank's checkpoint file is needed."""
-        state = {"steps": torch.tensor(self.steps), "processed": torch.tensor(self.processed)}
-        for fragment in self.fragments:
-            state.update(fragment.state_dict(env.get_comm_timeout_s()))
-        return state
+        return self.driver.state_dict(("steps", "processed"))
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.steps, self.processed = int(state["steps"]), int(state["processed"])
+        self.driver.load_state_dict(state)  # still warming up: the fragments load when they are built
         self.warm = self.steps < self.hyper.warmup_steps
-        if not self.fragments:  # still warming up: the fragments are built when the warm-up ends
-            self._loaded = state if any(k.endswith(".global") for k in state) else None
-            return
-        self._loaded = None
-        for fragment in self.fragments:
-            fragment.load_state_dict(state, functools.partial(self._make_workspace, fragment))
 
     def close(self) -> None:
-        for fragment in self.fragments:
-            if fragment.pending is not None and fragment.pending[1] is not None:
-                try:
-                    fragment.pending[1].wait(env.get_comm_timeout_s())
-                except RuntimeError:
-                    pass  # the engine is being torn down; its error, if any, was or will be raised by a wait
+        self.driver.close(strict=False)  # the engine is being torn down; its error, if any, is raised elsewhere
 
 
 def _check_outer_optimizer(value: Any) -> None:

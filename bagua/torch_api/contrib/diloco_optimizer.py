@@ -1,7 +1,8 @@
 """DiLoCo for plain DDP: an optimizer wrapper, designed after torch's ``PostLocalSGDOptimizer`` / ``ModelAverager``.
 
 The maths of :class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithm` (DiLoCo, https://arxiv.org/abs/2311.08105;
-Streaming DiLoCo, https://arxiv.org/abs/2501.18512), built from the same pieces (:mod:`bagua.torch_api.ops.diloco`),
+Streaming DiLoCo, https://arxiv.org/abs/2501.18512), run by the same driver
+(:class:`~bagua.torch_api.ops.diloco_driver.DiLoCoDriver`, whose moments its :meth:`~DiLoCoOptimizer.step` calls),
 for people who keep torch DDP, Accelerate or a Hugging Face ``Trainer``:
 
 1. inner steps: every rank steps its own optimizer (the *inner* one) on its own gradients. DDP must not average
@@ -29,17 +30,15 @@ Example:
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api import env
 from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
-from bagua.torch_api.data_parallel._comm_plane import CommJob, CommWorker
-from bagua.torch_api.ops.diloco import Fragment, due_fragments, split_fragments, sync_offsets
+from bagua.torch_api.data_parallel._comm_plane import CommWorker
+from bagua.torch_api.ops.diloco_driver import DiLoCoDriver, driver_property
 
 __all__ = ["DiLoCoOptimizer"]
 
@@ -121,21 +120,21 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             error_feedback=error_feedback, block_size=block_size, warmup_steps=warmup_steps,
             offload_outer_state=offload_outer_state,
         )
-        self.error_feedback = compression != "none" if error_feedback is None else error_feedback
-        # internal state
+        # internal state: the driver (DiLoCo's outer loop, shared with DiLoCoAlgorithm) on a group of its own
         self.ranks = group_ranks(process_group, "DiLoCoOptimizer")
-        self._communicator = own_communicator(self.ranks)
-        self._worker = CommWorker("bagua-diloco-optimizer", None) if overlap_steps > 0 else None
-        self._offsets = sync_offsets(sync_every, fragments)
-        self.fragments: list[Fragment] = []
-        self._loaded: Optional[dict[str, torch.Tensor]] = None
-        self.steps = 0
-        # stats
-        self.syncs = 0
-        self.bytes_sent = 0
+        worker = CommWorker("bagua-diloco-optimizer", None) if overlap_steps > 0 else None
+        self.driver = DiLoCoDriver(self.hyper, "DiLoCoOptimizer", communicator=own_communicator(self.ranks),
+                                   worker=worker)
         release_at_exit(self)
         if warmup_steps == 0:
             self._build_fragments()
+
+    # the driver's state, under the names this class always had
+    error_feedback = driver_property("error_feedback", "whether each rank's compression error is carried")
+    steps = driver_property("steps", "steps counted (taken or skipped, warm-up included)")
+    fragments = driver_property("fragments", "the fragments, built when the warm-up ends")
+    syncs = driver_property("syncs", "outer steps taken")
+    bytes_sent = driver_property("bytes_sent", "bytes this rank sent in exchanges")
 
     # -- the optimizer interface, delegated to the inner optimizer ---------------------------------------------
 
@@ -194,20 +193,13 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         :meth:`step` calls it; call it yourself after each step of the inner optimizer when a framework steps that
         optimizer (a Hugging Face ``TrainerCallback.on_optimizer_step``), on every rank, skipped steps included.
         """
-        self.steps += 1
-        W, H, tau = self.hyper.warmup_steps, self.hyper.sync_every, self.hyper.overlap_steps
-        if self.steps <= W:
-            if self.steps == W:
-                self._build_fragments()  # the inner phases start from the weights the warm-up ended with
-            return
-        step = self.steps - W
-        for fragment in self.fragments:
-            if fragment.pending is not None and fragment.pending[0] <= step:
-                self._finish(fragment)
-        for p in due_fragments(step, H, self._offsets):
-            self._start(self.fragments[p], step + tau)
-            if tau == 0:
-                self._finish(self.fragments[p])
+        W = self.hyper.warmup_steps
+        warm = self.steps < W
+        self.driver.count_step(warm)
+        if not warm:
+            self.driver.end_steps()
+        elif self.steps == W:
+            self._build_fragments()  # the inner phases start from the weights the warm-up ended with
 
     # -- fragments and their exchanges -------------------------------------------------------------------------
 
@@ -226,46 +218,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _build_fragments(self, broadcast: bool = True) -> None:
         params = self._parameters()
-        c = self._communicator
+        c = self.driver.communicator
         if broadcast and c.group is not None and c.nranks() > 1:  # rank 0's weights everywhere, as with_bagua does
             for p in params:
                 dist.broadcast(p.data, c.global_rank(0), group=c.group)
-        parts = split_fragments([p.numel() * p.element_size() for p in params], self.hyper.fragments,
-                                self.hyper.fragment_layout)
-        outer = self.hyper.outer_optimizer or functools.partial(
-            torch.optim.SGD, lr=self.hyper.outer_lr, momentum=self.hyper.outer_momentum,
-            nesterov=self.hyper.nesterov and self.hyper.outer_momentum > 0,
-        )
-        self.fragments = [Fragment(i, [params[k] for k in part], outer, self.hyper.offload_outer_state)
-                          for i, part in enumerate(parts)]
-        if self._loaded is not None:
-            self._load_diloco(self._loaded)
-
-    def _start(self, fragment: Fragment, finish_step: int) -> None:
-        delta = fragment.pseudo_gradient()
-        job = None
-        if self._worker is not None:
-            job = CommJob(self._worker, lambda: self._exchange(fragment, delta),
-                          f"DiLoCo exchange of fragment {fragment.index}", cuda=delta.is_cuda)
-        else:
-            self._exchange(fragment, delta)
-        fragment.pending = (finish_step, job)
-
-    def _exchange(self, fragment: Fragment, delta: torch.Tensor) -> None:
-        """Average ``delta`` (the fragment's) over the ranks, in place."""
-        self.bytes_sent += fragment.exchange(self._communicator, self.hyper.compression, self.hyper.block_size,
-                                             self.error_feedback)
-
-    def _finish(self, fragment: Fragment) -> None:
-        fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
-                        "DiLoCoOptimizer")
-        self.syncs += 1
-
-    def _make_workspace(self, fragment: Fragment) -> object:
-        from bagua.torch_api.codecs.block_allreduce import BlockWorkspace
-
-        return BlockWorkspace(fragment.numel, self._communicator.nranks(), self.hyper.compression,
-                              self.hyper.block_size)
+        self.driver.build(params)
 
     # -- checkpoints and teardown ------------------------------------------------------------------------------
 
@@ -274,10 +231,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         weights, outer-optimizer tensors, residuals, an exchange in flight, waited for). Ranks differ between
         synchronizations: save every rank's."""
         state = self.inner.state_dict()
-        diloco: dict[str, torch.Tensor] = {"steps": torch.tensor(self.steps)}
-        for fragment in self.fragments:
-            diloco.update(fragment.state_dict(env.get_comm_timeout_s()))
-        state["diloco"] = diloco
+        state["diloco"] = self.driver.state_dict(("steps",))
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -287,31 +241,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.inner.load_state_dict(state)
         if diloco is None:
             return
-        self.steps = int(diloco["steps"])
-        if self.fragments:
-            self._load_diloco(diloco)
-        elif self.steps >= self.hyper.warmup_steps:  # saved after the warm-up: the weights are each rank's own
-            self._loaded = diloco
-            self._build_fragments(broadcast=False)
+        self.driver.load_state_dict(diloco)  # before the fragments are built, it waits for them
+        if not self.fragments and self.steps >= self.hyper.warmup_steps:
+            self._build_fragments(broadcast=False)  # saved after the warm-up: the weights are each rank's own
         # else still warming up: the fragments are built when the warm-up ends
-
-    def _load_diloco(self, diloco: dict[str, torch.Tensor]) -> None:
-        self._loaded = None
-        for fragment in self.fragments:
-            fragment.load_state_dict(diloco, functools.partial(self._make_workspace, fragment))
 
     def close(self) -> None:
         """Wait for an exchange in flight and stop the communication thread."""
-        for fragment in self.fragments:
-            if fragment.pending is not None and fragment.pending[1] is not None:
-                fragment.pending[1].wait(env.get_comm_timeout_s())
-                fragment.pending = (fragment.pending[0], None)
-        if self._worker is not None:
-            self._worker.close()
-            self._worker = None
+        self.driver.close()
 
     def _release_for_exit(self) -> None:
-        if self._worker is not None:
-            self._worker.close(join_timeout_s=1.0)
-            self._worker = None
-        self._communicator = None  # type: ignore[assignment]  (the group is freed while the interpreter is whole)
+        self.driver.release_for_exit()  # the group is freed while the interpreter is whole

@@ -1,6 +1,6 @@
 """DiLoCo's pieces as plain functions and one state object: fragments, their schedule and the outer step.
 
-:class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithm` drives them; nothing here knows the engine. For one
+:class:`~bagua.torch_api.ops.diloco_driver.DiLoCoDriver` drives them; nothing here knows the engine. For one
 fragment (a group of parameters) with ``g`` its global weights (float32, the same on every rank) and ``x`` this
 rank's weights after its inner steps::
 

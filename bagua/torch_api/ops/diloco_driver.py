@@ -1,0 +1,220 @@
+"""DiLoCo's outer loop, written once: the driver behind ``DiLoCoAlgorithm`` and ``contrib.DiLoCoOptimizer``.
+
+:class:`DiLoCoDriver` owns what the two share: the fragments (:class:`~bagua.torch_api.ops.diloco.Fragment`) and
+their outer optimizers, the communicator the pseudo-gradients are averaged on, how an exchange is run (inline, on a
+thread of the driver's own, or on the engine's communication thread), the step counters, the codec workspace
+factory and the checkpoint of it all. Its callers only map their own events to its moments:
+
+- :meth:`DiLoCoDriver.build` once the inner phases start (after the warm-up), over the parameters in order;
+- :meth:`DiLoCoDriver.count_step` at the end of each inner step (taken or skipped by ``GradScaler``);
+- :meth:`DiLoCoDriver.end_steps` once the optimizer has stepped (finish the exchanges due, start the ones due);
+- :meth:`DiLoCoDriver.state_dict` / :meth:`DiLoCoDriver.load_state_dict` and :meth:`DiLoCoDriver.close`.
+
+:class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithmImpl` maps the Bagua engine's hooks to these moments,
+:class:`~bagua.torch_api.contrib.diloco_optimizer.DiLoCoOptimizer` its ``step()``; with the same hyper-parameters
+(and a flat exchange) both therefore give the same weights, bit for bit.
+
+Example:
+    >>> driver = DiLoCoDriver(DiLoCoAlgorithm(sync_every=2), "DiLoCo", communicator=c)  # doctest: +SKIP
+    >>> driver.build(list(model.parameters()))  # doctest: +SKIP
+    >>> driver.count_step(warm=False); driver.end_steps()  # after each optimizer step  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from bagua.torch_api import env
+from bagua.torch_api.comm import hierarchy
+from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.ops.diloco import Fragment, due_fragments, split_fragments, sync_offsets
+
+__all__ = ["DiLoCoDriver", "Submit", "driver_property"]
+
+#: runs ``fn`` off the main thread: ``submit(fn, what, cuda) -> job`` with ``job.wait(timeout_s)``
+Submit = Callable[[Callable[[], None], str, bool], Any]
+
+
+class DiLoCoDriver:
+    """Fragments, their exchanges and outer steps, the step counters and their checkpoint.
+
+    Args:
+        hyper: the hyper-parameters, a :class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithm`.
+        owner: names the caller in errors (``"DiLoCo"``, ``"DiLoCoOptimizer"``).
+        communicator: average on this communicator, every rank calling the exchange.
+        group, hierarchical: or on this group, through
+            :func:`~bagua.torch_api.comm.hierarchy.run_hierarchically` (``communicator`` must then be ``None``).
+        worker: a :class:`~bagua.torch_api.data_parallel._comm_plane.CommWorker` of the driver's own that runs the
+            exchanges (stopped by :meth:`close`); without it they run inline, unless :attr:`submit` is set.
+
+    Attributes: ``fragments``, ``steps`` (inner steps counted, warm-up included), ``processed`` (steps whose
+    end-of-step work is done), ``syncs`` (outer steps taken), ``bytes_sent``, ``error_feedback``, ``submit``.
+    """
+
+    def __init__(self, hyper: Any, owner: str, communicator: Optional[BaguaCommunicator] = None,
+                 group: Optional[BaguaProcessGroup] = None, hierarchical: bool = False,
+                 worker: Optional[Any] = None) -> None:
+        # user hyper-parameters
+        self.hyper = hyper
+        self.owner = owner
+        self.error_feedback = hyper.compression != "none" if hyper.error_feedback is None else hyper.error_feedback
+        # where and how the exchanges run
+        self.communicator = communicator
+        self.group = group
+        self.hierarchical = hierarchical
+        self.worker = worker
+        #: how an exchange leaves the main thread (the engine's ``submit_job`` for the algorithm); None: inline
+        self.submit: Optional[Submit] = self._on_worker if worker is not None else None
+        # internal state
+        self.fragments: list[Fragment] = []
+        self.steps = 0
+        self.processed = 0
+        self._offsets = sync_offsets(hyper.sync_every, hyper.fragments)
+        self._loaded: Optional[dict[str, torch.Tensor]] = None  # a checkpoint waiting for the fragments
+        # stats
+        self.syncs = 0
+        self.bytes_sent = 0
+
+    # -- the moments of a step ---------------------------------------------------------------------------------
+
+    def build(self, params: list[torch.nn.Parameter]) -> None:
+        """Split ``params`` (model order, none empty) into fragments whose global weights are their values now,
+        then load the checkpoint that waited for them, if any."""
+        hyper = self.hyper
+        parts = split_fragments([p.numel() * p.element_size() for p in params], hyper.fragments,
+                                hyper.fragment_layout)
+        outer = hyper.outer_optimizer or functools.partial(
+            torch.optim.SGD, lr=hyper.outer_lr, momentum=hyper.outer_momentum,
+            nesterov=hyper.nesterov and hyper.outer_momentum > 0,
+        )
+        self.fragments = [Fragment(i, [params[k] for k in part], outer, hyper.offload_outer_state)
+                          for i, part in enumerate(parts)]
+        if self._loaded is not None:
+            self._load_fragments(self._loaded)
+
+    def count_step(self, warm: bool) -> None:
+        """Count one inner step; a warm-up step (``warm``) has no end-of-step work, so it counts as processed."""
+        self.steps += 1
+        if warm:
+            self.processed = self.steps
+
+    def end_steps(self) -> None:
+        """Do the end-of-step work of every inner step counted and not yet processed: finish the exchanges due,
+        start the ones due (in fragment order, the same on every rank)."""
+        H, tau = self.hyper.sync_every, self.hyper.overlap_steps
+        while self.processed < self.steps:
+            self.processed += 1
+            step = self.processed - self.hyper.warmup_steps
+            for fragment in self.fragments:
+                if fragment.pending is not None and fragment.pending[0] <= step:
+                    self._finish(fragment)
+            for p in due_fragments(step, H, self._offsets):
+                self._start(self.fragments[p], step + tau)
+                if tau == 0:
+                    self._finish(self.fragments[p])
+
+    # -- fragments and their exchanges -------------------------------------------------------------------------
+
+    def _on_worker(self, fn: Callable[[], None], what: str, cuda: bool) -> Any:
+        # deferred: the data-parallel package imports the algorithms, which import this module
+        from bagua.torch_api.data_parallel._comm_plane import CommJob
+
+        return CommJob(self.worker, fn, what, cuda=cuda)
+
+    def _start(self, fragment: Fragment, finish_step: int) -> None:
+        delta = fragment.pseudo_gradient()
+        job = None
+        if self.submit is not None:
+            job = self.submit(lambda: self._exchange(fragment, delta), f"DiLoCo exchange of fragment {fragment.index}",
+                              delta.is_cuda)
+        else:
+            self._exchange(fragment, delta)
+        fragment.pending = (finish_step, job)
+
+    def _exchange(self, fragment: Fragment, delta: torch.Tensor) -> None:
+        """Average ``delta`` (the fragment's) over the ranks, in place (on the thread :attr:`submit` chose)."""
+
+        def exchange(t: torch.Tensor, c: BaguaCommunicator) -> None:
+            self.bytes_sent += fragment.exchange(c, self.hyper.compression, self.hyper.block_size,
+                                                 self.error_feedback)
+
+        if self.group is None:
+            exchange(delta, self.communicator)  # type: ignore[arg-type]
+        else:
+            hierarchy.run_hierarchically(self.group, self.hierarchical, delta, exchange, average=True)
+
+    def _finish(self, fragment: Fragment) -> None:
+        fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
+                        self.owner)
+        self.syncs += 1
+
+    def _make_workspace(self, fragment: Fragment) -> object:
+        from bagua.torch_api.codecs.block_allreduce import BlockWorkspace
+
+        c = self.communicator if self.group is None else hierarchy.exchange_communicator(self.group,
+                                                                                          self.hierarchical)
+        return BlockWorkspace(fragment.numel, c.nranks(), self.hyper.compression, self.hyper.block_size)
+
+    # -- checkpoints and teardown ------------------------------------------------------------------------------
+
+    def state_dict(self, counters: Sequence[str] = ("steps", "processed")) -> dict[str, torch.Tensor]:
+        """The ``counters`` named (``"steps"``, ``"processed"``), then each fragment's global weights,
+        outer-optimizer tensors, residuals and an exchange in flight (waited for)."""
+        state = {name: torch.tensor(getattr(self, name)) for name in counters}
+        for fragment in self.fragments:
+            state.update(fragment.state_dict(env.get_comm_timeout_s()))
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore what :meth:`state_dict` returned; before :meth:`build`, the fragments' part waits for it."""
+        self.steps = int(state["steps"])
+        # without "processed" (the optimizer's format) every step counted was processed
+        self.processed = int(state["processed"]) if "processed" in state else self.steps
+        if not self.fragments:
+            self._loaded = state if any(k.endswith(".global") for k in state) else None
+            return
+        self._load_fragments(state)
+
+    def _load_fragments(self, state: dict[str, torch.Tensor]) -> None:
+        self._loaded = None
+        for fragment in self.fragments:
+            fragment.load_state_dict(state, functools.partial(self._make_workspace, fragment))
+
+    def wait_pending(self, strict: bool = True) -> None:
+        """Wait for every exchange in flight (its result stays for its outer step); ``strict=False`` ignores a
+        failed one (the engine is being torn down: its error was or will be raised by another wait)."""
+        for fragment in self.fragments:
+            if fragment.pending is not None and fragment.pending[1] is not None:
+                try:
+                    fragment.pending[1].wait(env.get_comm_timeout_s())
+                except RuntimeError:
+                    if strict:
+                        raise
+                    continue
+                fragment.pending = (fragment.pending[0], None)
+
+    def close(self, strict: bool = True) -> None:
+        """Wait for the exchanges in flight (see :meth:`wait_pending`), then stop the driver's own thread."""
+        self.wait_pending(strict)
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
+            self.submit = None
+
+    def release_for_exit(self) -> None:
+        """At interpreter exit: stop the thread without waiting long and drop the communicator (its group is then
+        freed while the interpreter is whole)."""
+        if self.worker is not None:
+            self.worker.close(join_timeout_s=1.0)
+            self.worker = None
+            self.submit = None
+        self.communicator = None
+
+
+def driver_property(name: str, doc: str) -> property:
+    """Make a read-only property that reads ``name`` from the owner's ``driver`` (a :class:`DiLoCoDriver`), so
+    the algorithm and the optimizer keep the attributes (``steps``, ``syncs``, ...) they always had."""
+    return property(lambda owner: getattr(owner.driver, name), doc=doc)
