@@ -149,7 +149,7 @@ def _run_resume(rank, save_at=6, steps=9):
     opt.load_state_dict(saved["opt"])
     resumed = _train(ddp, opt, rank, save_at + 1, steps)
     opt.close()
-    return straight[save_at:], resumed
+    return straight[save_at:], resumed, sorted(saved["opt"]["diloco"])
 
 
 def _run_compressed(rank, steps=6):
@@ -231,8 +231,11 @@ def test_gradscaler_skip_on_one_rank_keeps_the_schedule(job):
 
 def test_resume_is_bit_identical(job):
     for rank, result in enumerate(job):
-        straight, resumed = result["resume"]
+        straight, resumed, keys = result["resume"]
         _assert_histories(resumed, straight, rank, "resume")
+        # the checkpoint format: one step counter, then per fragment (fragment 0's exchange of step 6 in flight)
+        assert keys == ["0.global", "0.outer.momentum_buffer", "0.pending_average", "0.pending_finish", "1.global",
+                        "1.outer.momentum_buffer", "steps"]
 
 
 def test_compressed_matches_diloco_algorithm(job):

@@ -132,6 +132,7 @@ def _worker_resume(rank, world_size, ckpt_dir, kwargs):
     model = model.with_bagua([opt], _algorithm(**kwargs))
     _train_steps(model, opt, rank, 1, save_at)
     save_checkpoint(save_at, ckpt_dir, model, opt)
+    keys = sorted(model.bagua_ddp.impl.state_dict())  # the exchange in flight was waited for by the save
     _train_steps(model, opt, rank, save_at + 1, steps)
     uninterrupted = params_of(model)
     model.bagua_ddp.close()
@@ -141,7 +142,7 @@ def _worker_resume(rank, world_size, ckpt_dir, kwargs):
     model = model.with_bagua([opt], _algorithm(**kwargs))
     assert load_checkpoint(ckpt_dir, model, opt) == save_at
     _train_steps(model, opt, rank, save_at + 1, steps)
-    return uninterrupted, params_of(model)
+    return uninterrupted, params_of(model), keys
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -149,9 +150,12 @@ def _worker_resume(rank, world_size, ckpt_dir, kwargs):
     dict(sync_every=4, fragments=2, overlap_steps=1, compression="uint8"),
 ], ids=["overlap", "overlap-uint8-error-feedback"])
 def test_resume_is_bit_identical(tmp_path, kwargs):
-    for uninterrupted, resumed in run_workers(_worker_resume, 2, str(tmp_path), kwargs, timeout=120):
+    for uninterrupted, resumed, keys in run_workers(_worker_resume, 2, str(tmp_path), kwargs, timeout=120):
         for a, b in zip(uninterrupted, resumed):
             assert torch.equal(a, b)
+        # the checkpoint format: two step counters, then per fragment (fragment 0's exchange of step 6 in flight)
+        assert {"steps", "processed", "0.global", "0.pending_average", "0.pending_finish", "1.global"} <= set(keys)
+        assert all(k in ("steps", "processed") or k.split(".")[0] in ("0", "1") for k in keys)
 
 
 # -- a peer stopped during an exchange: the survivor fails within the timeout ----------------------------------
