@@ -22,7 +22,9 @@ Every element is quantized twice and every rank decodes the same bytes, so every
 al. 2019, https://arxiv.org/abs/1901.09847); the residuals live in the :class:`BlockWorkspace`.
 
 Messages are one per chunk: splitting them into pipelined segments (as ByteGrad does) is left out until a
-measurement shows it pays here.
+measurement shows it pays here. The schedule is
+:func:`~bagua.torch_api.codecs.scatter_reduce_gather.scatter_reduce_gather`'s, shared with ByteGrad's per-chunk
+code; this module gives it the codec (:class:`_BlockCodec`).
 
 Example:
     >>> c = bagua.communication._get_default_group().get_global_communicator()  # doctest: +SKIP
@@ -35,12 +37,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from bagua.torch_api.codecs.block import DEFAULT_BLOCK, decode, encode, wire_numel
-from bagua.torch_api.comm.collectives import all_gather_tensor
 from bagua.torch_api.comm.process_group import BaguaCommunicator
 from bagua.torch_api.codecs.residuals import ErrorFeedbackResiduals
+from bagua.torch_api.codecs.scatter_reduce_gather import SegmentCodec, Wait, scatter_reduce_gather
+from bagua.torch_api.codecs.scatter_reduce_gather import post_receives_first as _post_receives_first
 
 __all__ = ["BlockWorkspace", "block_allreduce_inplace", "chunk_length"]
 
@@ -160,10 +162,77 @@ class BlockWorkspace(ErrorFeedbackResiduals):
             self.previous[1].copy_(self.server_residual)
 
 
-def _post_receives_first(group) -> bool:
-    """Whether step 2 posts every receive before its first send (gloo) or sends and receives in one
-    ``batch_isend_irecv`` (NCCL and others): see ``compressed_allreduce._post_receives_first`` for why."""
-    return dist.get_backend(group) == "gloo"
+class _BlockCodec(SegmentCodec):
+    """A :mod:`~bagua.torch_api.codecs.block` codec for :func:`scatter_reduce_gather`: one segment per chunk, the
+    chunks the workspace's ranges of ``flat`` (each in its own wire slot; an empty chunk does not travel)."""
+
+    def __init__(self, ws: BlockWorkspace, flat: torch.Tensor, rank: int, average: bool,
+                 error_feedback: bool) -> None:
+        self.ws, self.rank, self.average, self.error_feedback = ws, rank, average, error_feedback
+        n, W = ws.nranks, ws.slot
+        self.ranges = [ws.bounds(j) for j in range(n)]
+        self.lengths = [b - a for a, b in self.ranges]
+        self.sizes = [wire_numel(m, ws.codec, ws.block_size) for m in self.lengths]
+        self.send = [ws.send[j * W : j * W + self.sizes[j]] for j in range(n)]
+        self.recv = [ws.recv[i * W : i * W + self.sizes[rank]] for i in range(n)]  # rank i's copy of chunk r
+        self.chunks = [flat[a:b] for a, b in self.ranges]
+
+    def sends_to(self, j: int) -> bool:
+        return self.lengths[j] > 0
+
+    def receives(self) -> bool:
+        return self.lengths[self.rank] > 0
+
+    def send_buffer(self, k: int, j: int) -> torch.Tensor:
+        return self.send[j]
+
+    def recv_buffer(self, k: int, i: int) -> torch.Tensor:
+        return self.recv[i]
+
+    def _encode(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        encode(x, self.ws.codec, self.ws.block_size, out=out)
+
+    def _decode(self, wire: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
+        decode(wire, out.numel(), self.ws.codec, self.ws.block_size, out=out, accumulate=accumulate)
+
+    def encode_peer(self, k: int, j: int) -> None:
+        self._encode(self.chunks[j], self.send[j])
+
+    def encode_own(self, k: int) -> None:
+        self._encode(self.chunks[self.rank], self.recv[self.rank])
+
+    def keep_residuals(self) -> None:
+        if self.error_feedback:  # e = x - D(Q(x)), while the chunks travel
+            for j, (a, b) in enumerate(self.ranges):
+                e = self.ws.residual[a:b]
+                self._decode(self.recv[self.rank] if j == self.rank else self.send[j], e)
+                torch.sub(self.chunks[j], e, out=e)
+
+    def reduce(self, k: int, wait: Wait) -> None:
+        y = self.chunks[self.rank]  # the sum of the n decoded copies of chunk r, in rank order
+        for i in range(self.ws.nranks):
+            wait(i)
+            self._decode(self.recv[i], y, accumulate=i > 0)
+        if self.average:
+            y.div_(torch.full((1,), self.ws.nranks, dtype=torch.float32, device=y.device))  # not * (1/n): true
+        if self.error_feedback:
+            y.add_(self.ws.server_residual[: y.numel()])
+
+    def encode_reduced(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._encode(self.chunks[self.rank], self.ws.mine[: self.sizes[self.rank]])
+        return self.ws.recv, self.ws.mine
+
+    def keep_server_residual(self, k: int) -> None:
+        if self.error_feedback:  # s = y - D(Q(y))
+            y = self.chunks[self.rank]
+            s = self.ws.server_residual[: y.numel()]
+            self._decode(self.ws.mine[: self.sizes[self.rank]], s)
+            torch.sub(y, s, out=s)
+
+    def decode_gathered(self, k: int) -> None:
+        W = self.ws.slot
+        for j, chunk in enumerate(self.chunks):
+            self._decode(self.ws.recv[j * W : j * W + self.sizes[j]], chunk)
 
 
 def block_allreduce_inplace(
@@ -177,6 +246,8 @@ def block_allreduce_inplace(
     tag: int = 0,
 ) -> BlockWorkspace:
     """Average (or sum) ``flat`` over the communicator ``c`` through the codec: steps 1-5 of the module docstring.
+
+    The schedule is :func:`~bagua.torch_api.codecs.scatter_reduce_gather.scatter_reduce_gather`'s.
 
     Args:
         flat: a contiguous 1-D float32 tensor, the same size on every rank; overwritten with the result.
@@ -206,64 +277,10 @@ def block_allreduce_inplace(
     if c.group is None or n == 1 or flat.numel() == 0:
         return ws
     c.check_point_to_point(flat, f"the block-wise {codec} scatter-reduce (ByteGrad, QAdam, DiLoCo)")
-    r = c.rank()
     ws._prepare(flat.device, error_feedback)
-    B, W = block_size, ws.slot
-    bounds = [ws.bounds(j) for j in range(n)]
-    lengths = [b - a for a, b in bounds]
-    sizes = [wire_numel(m, codec, B) for m in lengths]
-    send = [ws.send[j * W : j * W + sizes[j]] for j in range(n)]
-    recv = [ws.recv[i * W : i * W + sizes[r]] for i in range(n)]  # rank i's copy of chunk r
-    chunks = [flat[a:b] for a, b in bounds]
-    peers = [(r + d) % n for d in range(1, n)]
     if error_feedback:
         flat.add_(ws.residual)  # 1: x = flat + e
-
-    # 2: encode the peers' chunks first and send each as soon as it is encoded; the own chunk meanwhile
-    gloo = _post_receives_first(c.group)
-    receives = {}
-    if gloo and lengths[r]:
-        receives = {i: dist.irecv(recv[i], c.global_rank(i), group=c.group, tag=tag) for i in peers}
-    sends = []
-    for j in peers:
-        encode(chunks[j], codec, B, out=send[j])
-        if gloo and lengths[j]:
-            sends.append(dist.isend(send[j], c.global_rank(j), group=c.group, tag=tag))
-    if not gloo:  # NCCL runs a pair's operations in order: sends and receives go together, in one group
-        ops = [dist.P2POp(dist.isend, send[j], c.global_rank(j), c.group, tag) for j in peers if lengths[j]]
-        recv_ops = [dist.P2POp(dist.irecv, recv[i], c.global_rank(i), c.group, tag) for i in peers if lengths[r]]
-        works = dist.batch_isend_irecv(ops + recv_ops) if ops or recv_ops else []
-        sends = works[: len(ops)]
-        receives = dict(zip([i for i in peers if lengths[r]], works[len(ops) :]))
-    encode(chunks[r], codec, B, out=recv[r])
-    if error_feedback:  # e = x - D(Q(x)), while the chunks travel
-        for j in range(n):
-            e = ws.residual[bounds[j][0] : bounds[j][1]]
-            decode(recv[r] if j == r else send[j], lengths[j], codec, B, out=e)
-            torch.sub(chunks[j], e, out=e)
-
-    # 3: the sum of the n decoded copies of chunk r, in rank order
-    y, m = chunks[r], lengths[r]
-    for i in range(n):
-        if i in receives:
-            receives[i].wait()
-        decode(recv[i], m, codec, B, out=y, accumulate=i > 0)
-    if average:
-        y.div_(torch.full((1,), n, dtype=torch.float32, device=y.device))  # not * (1/n): a true division
-    if error_feedback:
-        y.add_(ws.server_residual[:m])
-
-    # 4: encode y (s = y - D(Q(y))) and all-gather the encoded chunks
-    encode(y, codec, B, out=ws.mine[: sizes[r]])
-    if error_feedback:
-        s = ws.server_residual[:m]
-        decode(ws.mine[: sizes[r]], m, codec, B, out=s)
-        torch.sub(y, s, out=s)
-    for work in sends:
-        work.wait()  # the send buffers are free again; recv is about to be overwritten by the all-gather
-    all_gather_tensor(ws.recv, ws.mine, group=c.group)
-
-    # 5: decode every chunk
-    for j in range(n):
-        decode(ws.recv[j * W : j * W + sizes[j]], lengths[j], codec, B, out=chunks[j])
+    # this module's _post_receives_first, looked up now: the tests swap it for the NCCL order
+    scatter_reduce_gather(_BlockCodec(ws, flat, c.rank(), average, error_feedback), c, tag,
+                          _post_receives_first(c.group))
     return ws

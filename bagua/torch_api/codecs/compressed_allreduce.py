@@ -13,7 +13,9 @@ splits into ``n`` equal chunks):
 5. decode all ``n`` chunks.
 
 Every element is quantized twice, and every rank ends with the same bytes. Error feedback: see
-:mod:`bagua.torch_api.algorithms.bytegrad`.
+:mod:`bagua.torch_api.algorithms.bytegrad`. The schedule (which send and receive goes when) is the one
+:func:`~bagua.torch_api.codecs.scatter_reduce_gather.scatter_reduce_gather` runs for both 8-bit collectives; this
+module gives it the codec (:class:`_ChunkCodec`).
 :func:`~bagua.torch_api.ops.compressed.centralized_low_precision_op`, the bucket operation, runs this
 collective (``codec="chunk"``) or the block-wise one of :mod:`bagua.torch_api.codecs.block_allreduce` (``"uint8"``,
 ``"uint4"``).
@@ -46,6 +48,8 @@ from bagua.torch_api.codecs.minmax_uint8 import (
 )
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.codecs.residuals import ErrorFeedbackResiduals
+from bagua.torch_api.codecs.scatter_reduce_gather import SegmentCodec, Wait, scatter_reduce_gather
+from bagua.torch_api.codecs.scatter_reduce_gather import post_receives_first as _post_receives_first
 
 if TYPE_CHECKING:  # bucket.py imports this module through compressed_bucket_op
     from bagua.torch_api.bucket import BaguaBucket
@@ -107,16 +111,96 @@ class Workspace(ErrorFeedbackResiduals):
         return torch.zeros(self.nranks * self.length, dtype=torch.float32, device=device)
 
 
-def _post_receives_first(group) -> bool:
-    """Whether step 2 posts every receive before its first send (gloo), or sends and receives each segment as one
-    group (NCCL and others).
+class _ChunkCodec(SegmentCodec):
+    """MinMaxUInt8 with one header per rank chunk, for :func:`scatter_reduce_gather`: the chunks are the rows of
+    ``chunks`` (``(n, L)``), sent in the workspace's segments, every segment of a chunk with the chunk's header."""
 
-    A gloo send waits for the receiver's "ready" message; posted late, that message queues behind the receiver's
-    own outgoing data and the exchange runs at half the link's rate. NCCL runs a pair's operations in order on
-    one stream, so a receive posted ahead of the matching send would block it: there each segment's sends and
-    receives go together through ``batch_isend_irecv``.
-    """
-    return dist.get_backend(group) == "gloo"
+    def __init__(self, ws: Workspace, chunks: torch.Tensor, rank: int, average: bool,
+                 source: Optional[Callable[[int, int], list[torch.Tensor]]]) -> None:
+        self.ws, self.chunks, self.rank, self.average, self.source = ws, chunks, rank, average, source
+        self.own = chunks[rank]
+        self.segments = len(ws.segments)
+        self.params: dict[int, ChunkParams] = {}
+        self.received: Optional[ChunkParams] = None  # the headers of the copies of chunk r, read once
+        self.bounds: list[tuple[torch.Tensor, torch.Tensor]] = []  # min/max of each reduced segment
+        self.own_params: Optional[ChunkParams] = None
+        self.gathered: Optional[ChunkParams] = None
+
+    def send_buffer(self, k: int, j: int) -> torch.Tensor:
+        return self.ws.send[k][j]
+
+    def recv_buffer(self, k: int, i: int) -> torch.Tensor:
+        return self.ws.recv[k][i]
+
+    def _encode_row(self, k: int, j: int) -> None:
+        if k == 0:  # one header for all the segments of a chunk
+            L = self.ws.length
+            mm = (chunk_minmax(self.chunks[j : j + 1])[0] if self.source is None
+                  else pieces_minmax(self.source(j * L, (j + 1) * L)))
+            self.params[j] = ChunkParams(mm.view(1, 2))
+        a, b = self.ws.segments[k]
+        wire, p = self.ws.send[k][j : j + 1], self.params[j]
+        if self.source is None:
+            encode_chunks(self.chunks[j : j + 1, a:b], wire, self.ws.work, params=p)
+        else:
+            wire[:, :HEADER_BYTES].copy_(p.header)
+            encode_pieces(self.source(j * self.ws.length + a, j * self.ws.length + b), wire[0, HEADER_BYTES:], p, 0,
+                          self.ws.work)
+
+    def encode_peer(self, k: int, j: int) -> None:
+        self._encode_row(k, j)
+
+    def encode_own(self, k: int) -> None:
+        self._encode_row(k, self.rank)
+        self.ws.recv[k][self.rank].copy_(self.ws.send[k][self.rank])
+
+    def keep_residuals(self) -> None:
+        ws = self.ws
+        if ws.residual is None:
+            return
+        every = ChunkParams(torch.cat([self.params[j].minmax for j in range(ws.nranks)]))
+        for k, (a, b) in enumerate(ws.segments):  # e = x - D(Q(x)), while the segments travel
+            residual = ws.residual[:, a:b]
+            decode_chunks(ws.send[k], residual, params=every)
+            torch.sub(self.chunks[:, a:b], residual, out=residual)
+
+    def reduce(self, k: int, wait: Wait) -> None:
+        # the n copies decoded and added in rank order; the segment averaged and its min/max taken while it is
+        # still in cache, as the next segments arrive
+        ws = self.ws
+        for i in range(ws.nranks):
+            wait(i)
+        a, b = ws.segments[k]
+        segment = self.own[a:b]
+        self.received = self.received or ChunkParams.of_wire(ws.recv[k])
+        decode_sum_chunks(ws.recv[k], segment, ws.work, params=self.received)
+        if self.average:
+            segment.div_(ws.nranks)
+        if ws.server_residual is not None:
+            segment.add_(ws.server_residual[a:b])
+        if b > a:
+            self.bounds.append(torch.aminmax(segment))
+
+    def encode_reduced(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ws, own = self.ws, self.own
+        if k == 0:
+            self.own_params = ChunkParams(merge_minmax(self.bounds).view(1, 2) if self.bounds
+                                          else chunk_minmax(own.view(1, -1)))
+        a, b = ws.segments[k]
+        encode_chunks(own[a:b].view(1, -1), ws.mine[k], ws.work, params=self.own_params)
+        return ws.recv[k], ws.mine[k]
+
+    def keep_server_residual(self, k: int) -> None:
+        if self.ws.server_residual is not None:  # s = y - D(Q(y))
+            a, b = self.ws.segments[k]
+            residual = self.ws.server_residual[a:b].view(1, -1)
+            decode_chunks(self.ws.mine[k], residual, params=self.own_params)
+            torch.sub(self.own[a:b].view(1, -1), residual, out=residual)
+
+    def decode_gathered(self, k: int) -> None:
+        a, b = self.ws.segments[k]
+        self.gathered = self.gathered or ChunkParams.of_wire(self.ws.recv[k])
+        decode_chunks(self.ws.recv[k], self.chunks[:, a:b], params=self.gathered)
 
 
 def low_precision_allreduce_inplace(
@@ -130,8 +214,8 @@ def low_precision_allreduce_inplace(
     """Average (or sum) ``flat`` over the communicator ``c`` in 8 bits: steps 1-5 of the module docstring.
 
     Step 2 sends each chunk to its owner point to point, the peers' chunks first: the first segment leaves as
-    soon as the min/max of the chunks that travel are known, and the rank's own chunk is encoded (and its min/max
-    read) while the wire is busy.
+    soon as its chunk's min/max is known, and the rank's own chunk is encoded (and its min/max read) while the
+    wire is busy. The schedule is :func:`~bagua.torch_api.codecs.scatter_reduce_gather.scatter_reduce_gather`'s.
 
     Args:
         flat: a 1-D float tensor, the same size on every rank; overwritten with the result.
@@ -154,7 +238,7 @@ def low_precision_allreduce_inplace(
     if c.group is None or c.nranks() == 1:
         return None
     c.check_point_to_point(flat, "the 8-bit scatter-reduce (ByteGrad, QAdam)")
-    n, r = c.nranks(), c.rank()
+    n = c.nranks()
     ws = workspace or Workspace(flat.numel(), n, flat.device)
     if ws.numel != flat.numel() or ws.nranks != n:
         raise ValueError(f"workspace was built for {ws.numel} elements on {ws.nranks} ranks, got {flat.numel()} / {n}")
@@ -168,93 +252,16 @@ def low_precision_allreduce_inplace(
         ws.staging[ws.numel :].zero_()
         x = ws.staging
     chunks = x.view(n, ws.length)
-    own = chunks[r]
-
-    # 1-2: the chunks of the peers first, each segment sent as soon as it is encoded; the rank's own chunk
-    # (which never travels) is encoded while they are on the wire
     if ws.residual is not None:
         ws.previous[0].copy_(ws.residual)
         ws.previous[1].copy_(ws.server_residual)
         chunks.add_(ws.residual)
-    L = ws.length
-    peers = [(r + d) % n for d in range(1, n)]
-
-    def row_params(j: int) -> ChunkParams:
-        # one header for all the segments of a chunk
-        mm = chunk_minmax(chunks[j : j + 1])[0] if source is None else pieces_minmax(source(j * L, (j + 1) * L))
-        return ChunkParams(mm.view(1, 2))
-
-    def encode_row(j: int, k: int, p: ChunkParams) -> None:
-        a, b = ws.segments[k]
-        wire = ws.send[k][j : j + 1]
-        if source is None:
-            encode_chunks(chunks[j : j + 1, a:b], wire, ws.work, params=p)
-        else:
-            wire[:, :HEADER_BYTES].copy_(p.header)
-            encode_pieces(source(j * L + a, j * L + b), wire[0, HEADER_BYTES:], p, 0, ws.work)
-
-    receives_first = _post_receives_first(c.group)
-    handles: list[list] = [
-        [dist.irecv(ws.recv[k][j], c.global_rank(j), group=c.group, tag=tag) for j in peers] if receives_first else []
-        for k in range(len(ws.segments))
-    ]
-    params = {j: row_params(j) for j in peers}
-    for k in range(len(ws.segments)):
-        for j in peers:
-            encode_row(j, k, params[j])
-        if receives_first:
-            handles[k] += [dist.isend(ws.send[k][j], c.global_rank(j), group=c.group, tag=tag) for j in peers]
-        else:  # each segment's sends and receives in one group, in the same order on every rank
-            ops = [dist.P2POp(dist.isend, ws.send[k][j], c.global_rank(j), c.group, tag) for j in peers]
-            ops += [dist.P2POp(dist.irecv, ws.recv[k][j], c.global_rank(j), c.group, tag) for j in peers]
-            handles[k] += dist.batch_isend_irecv(ops)
-    params[r] = row_params(r)
-    for k in range(len(ws.segments)):
-        encode_row(r, k, params[r])
-        ws.recv[k][r].copy_(ws.send[k][r])
-    if ws.residual is not None:  # e = x - D(Q(x)), while the segments travel
-        every = ChunkParams(torch.cat([params[j].minmax for j in range(n)]))
-        for k, (a, b) in enumerate(ws.segments):
-            residual = ws.residual[:, a:b]
-            decode_chunks(ws.send[k], residual, params=every)
-            torch.sub(chunks[:, a:b], residual, out=residual)
-
-    # 3: decode the n copies of chunk r and add them in rank order; each segment is averaged and its min/max
-    # taken while it is still in cache, as the next segments arrive
-    bounds = []
-    received = None  # every segment of a chunk carries the chunk's header: read the headers once
-    for k, (a, b) in enumerate(ws.segments):
-        for work in handles[k]:
-            work.wait()
-        segment = own[a:b]
-        received = received or ChunkParams.of_wire(ws.recv[k])
-        decode_sum_chunks(ws.recv[k], segment, ws.work, params=received)
-        if average:
-            segment.div_(n)
-        if ws.server_residual is not None:
-            segment.add_(ws.server_residual[a:b])
-        if b > a:
-            bounds.append(torch.aminmax(segment))
-
-    # 4: encode chunk r, all-gather it segment by segment
-    own_params = ChunkParams(merge_minmax(bounds).view(1, 2) if bounds else chunk_minmax(own.view(1, -1)))
-    handles = []
-    for k, (a, b) in enumerate(ws.segments):
-        encode_chunks(own[a:b].view(1, -1), ws.mine[k], ws.work, params=own_params)
-        handles.append(_all_gather_single(ws.recv[k].view(-1), ws.mine[k].view(-1), group=c.group, async_op=True))
-        if ws.server_residual is not None:  # s = y - D(Q(y))
-            residual = ws.server_residual[a:b].view(1, -1)
-            decode_chunks(ws.mine[k], residual, params=own_params)
-            torch.sub(own[a:b].view(1, -1), residual, out=residual)
-
-    # 5: decode every chunk
-    gathered = None
-    for k, (a, b) in enumerate(ws.segments):
-        handles[k].wait()
-        gathered = gathered or ChunkParams.of_wire(ws.recv[k])
-        decode_chunks(ws.recv[k], chunks[:, a:b], params=gathered)
+    codec = _ChunkCodec(ws, chunks, c.rank(), average, source)
+    # this module's names, looked up now: tests and benchmarks/bytegrad_timeline.py wrap them here
+    scatter_reduce_gather(codec, c, tag, _post_receives_first(c.group), dist, _all_gather_single)
     if ws.staging is not None:
         flat.view(-1).copy_(x[: ws.numel])
+    gathered = codec.gathered
     return (gathered is not None and gathered.decodes_finite()) or all_finite(flat)
 
 
