@@ -2,8 +2,9 @@
 
 A bucket with ``flatten=True`` allocates its flat buffer once and makes every effective tensor a view of it, so
 communication works on one large tensor with no copy (the equivalent of DDP's ``gradient_as_bucket_view``).
-Its *operations* are plain callables ``op(bucket, flat)`` run in order on the flat tensor when the bucket is
-executed; algorithms add them in ``init_operations``.
+Its *operations* are :class:`~bagua.torch_api.ops.base.BucketOp` s, run in order as ``op(bucket, flat)`` on the
+flat tensor when the bucket is executed; algorithms add them in ``init_operations`` (a plain callable
+``fn(bucket, flat)`` is wrapped in a :class:`~bagua.torch_api.ops.base.FunctionOp`).
 
 Example:
     >>> ts = [weight_tensor(torch.nn.Parameter(torch.ones(2)), f"p{i}") for i in range(2)]
@@ -14,20 +15,17 @@ Example:
 
 from __future__ import annotations
 
-import datetime
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
-from bagua.torch_api.comm import hierarchy
-from bagua.torch_api import multistream
-from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.ops.allreduce import centralized_full_precision_op
 from bagua.torch_api.ops.async_average import AsyncModelAverageOp
+from bagua.torch_api.ops.base import AsyncHandle, BucketOp, FunctionOp
 from bagua.torch_api.ops.compressed import centralized_low_precision_op
-from bagua.torch_api.ops.decentralized import LowPrecisionDecentralizedOp, Replicas, decentralized_op
+from bagua.torch_api.ops.decentralized import DecentralizedOp, LowPrecisionDecentralizedOp, Replicas, decentralized_op
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, as_bagua_tensor
 
@@ -38,9 +36,6 @@ __all__ = [
     "split_bucket_by_bucket_size",
     "centralized_full_precision_op",
 ]
-
-BucketOp = Callable[["BaguaBucket", torch.Tensor], None]
-
 
 _FLAT_STORAGES: set[int] = set()  # storage addresses of the live buckets' flat buffers
 
@@ -77,23 +72,6 @@ def split_bucket_by_bucket_size(tensors: Sequence[BaguaTensor], bucket_size: int
         if current:
             buckets.append(current)
     return buckets
-
-
-class AsyncHandle:
-    """A collective started asynchronously, and what to do once it has finished."""
-
-    __slots__ = ("work", "finish")
-
-    def __init__(self, work: Optional[dist.Work], finish: Optional[Callable[[], object]]) -> None:
-        self.work = work
-        self.finish = finish
-
-    def wait(self, timeout_s: float) -> None:
-        """Wait at most ``timeout_s`` seconds for the collective, then run ``finish``."""
-        if self.work is not None:
-            self.work.wait(datetime.timedelta(seconds=timeout_s))
-        if self.finish is not None:
-            self.finish()
 
 
 class BaguaBucket:
@@ -193,13 +171,13 @@ class BaguaBucket:
 
     def accepts_pending(self) -> bool:
         """Whether the bucket's first operation reads fresh tensors in place (so they need no copy first)."""
-        return self.flat is not None and bool(self._ops) and getattr(self._ops[0], "accepts_pending", False)
+        return self.flat is not None and bool(self._ops) and self._ops[0].accepts_pending
 
     def defer_restore(self, index: int, tensor: torch.Tensor) -> None:
         """Note that tensor ``index`` now lives in ``tensor`` (a fresh gradient, after ``zero_grad(set_to_none=True)``)
         instead of its view of the flat buffer, and leave the copy to the first operation.
 
-        An operation with ``accepts_pending = True`` reads such tensors through :meth:`pieces` and writes its result
+        An operation whose ``accepts_pending`` is true reads such tensors through :meth:`pieces` and writes its result
         into the flat buffer; the views then become the effective tensors again without any copy. Any other
         operation sees the values copied into the flat buffer first. This saves a full copy of the bucket per step
         (about 8 ms for 64 MB on one CPU core).
@@ -271,14 +249,25 @@ class BaguaBucket:
         self._ops.clear()
         return self
 
-    def append_op(self, op: BucketOp) -> "BaguaBucket":
-        """Append an operation ``op(bucket, flat)``; return the bucket."""
-        self._ops.append(op)
+    def append_op(self, op: Union[BucketOp, Callable[["BaguaBucket", torch.Tensor], object]]) -> "BaguaBucket":
+        """Append an operation (a :class:`BucketOp`, or a plain callable ``op(bucket, flat)``); return the bucket."""
+        self._ops.append(op if isinstance(op, BucketOp) else FunctionOp(op))
         return self
 
-    def append_python_op(self, python_function: Callable[[str], None], group: Optional[BaguaProcessGroup] = None):
+    def append_python_op(self, python_function: Callable[[str], None],
+                         group: Optional[BaguaProcessGroup] = None) -> "BaguaBucket":
         """Append ``python_function(bucket_name)``, run after the bucket's tensors are ready."""
-        return self.append_op(lambda bucket, flat: python_function(bucket.name))
+        return self.append_op(FunctionOp(lambda bucket, flat: python_function(bucket.name)))
+
+    @property
+    def ops(self) -> tuple[BucketOp, ...]:
+        """The bucket's operations, in the order they run."""
+        return tuple(self._ops)
+
+    def rollback(self) -> None:
+        """Undo the state changes of the last execution of every operation (see :meth:`BucketOp.rollback`)."""
+        for op in self._ops:
+            op.rollback()
 
     def append_centralized_synchronous_op(
         self,
@@ -305,7 +294,7 @@ class BaguaBucket:
     def append_decentralized_synchronous_op(
         self, peer_weight: torch.Tensor, hierarchical: bool = True, peer_selection_mode: str = "all",
         group: Optional[BaguaProcessGroup] = None,
-    ):
+    ) -> DecentralizedOp:
         """Append ``peer_weight = W(weights)`` (the peer average of decentralized SGD), ``peer_weight`` a flat tensor
         of the bucket's size, kept as ``bucket._peer_weight``. Returns the op; once it has run,
         ``op.copy_back_peer_weight(bucket)`` overwrites the weights with ``peer_weight``."""
@@ -333,7 +322,7 @@ class BaguaBucket:
         return op
 
     def append_asynchronous_model_average_op(self, peer_selection_mode: str = "all",
-                                             group: Optional[BaguaProcessGroup] = None):
+                                             group: Optional[BaguaProcessGroup] = None) -> AsyncModelAverageOp:
         """Append one round of asynchronous model averaging, ``x += mean(s) - s`` for a snapshot ``s``, meant to be
         run from a thread of the algorithm. Returns the op, with ``lock_weight`` / ``unlock_weight`` (held by the
         training thread while the weights must not change), ``abort``, ``reset`` and ``get_status``."""
@@ -343,9 +332,9 @@ class BaguaBucket:
 
     def async_launcher(self) -> Optional[Callable[["BaguaBucket", torch.Tensor], AsyncHandle]]:
         """The bucket's ``launch_async`` when its whole work is one collective on its flat buffer, else ``None``."""
-        if self.flat is None or len(self._ops) != 1:
+        if self.flat is None or len(self._ops) != 1 or not self._ops[0].launches_async:
             return None
-        return getattr(self._ops[0], "launch_async", None)
+        return self._ops[0].launch_async
 
     def execute(self) -> None:
         """Run the bucket's operations on its flat tensor (gathering and scattering back when not flattened)."""
@@ -367,43 +356,3 @@ class BaguaBucket:
 
     def __repr__(self) -> str:
         return f"BaguaBucket(name={self.name!r}, tensors={len(self.tensors)}, numel={self.numel}, dtype={self.dtype})"
-
-
-def centralized_full_precision_op(
-    group: BaguaProcessGroup, hierarchical: bool = False, average: bool = True, scattergather: bool = False
-) -> BucketOp:
-    """Allreduce the bucket over ``group``: the operation behind gradient allreduce.
-
-    Flat: one allreduce (AVG or SUM). Hierarchical (when some node holds several of the group's ranks):
-    reduce to each node's leader, allreduce among leaders, broadcast inside each node; with equal ranks per
-    node this equals the flat average. ``scattergather``: a reduce-scatter followed by an all-gather (the
-    bucket must be padded to the group size).
-    """
-    op = ReduceOp.AVG if average else ReduceOp.SUM
-
-    def allreduce_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
-        hierarchy.run_hierarchically(group, hierarchical, flat, lambda t, c: _allreduce(t, op, c), average)
-
-    def launch_async(bucket: BaguaBucket, flat: torch.Tensor) -> "AsyncHandle":
-        # The flat, unsplit case is one collective: start it from the caller's thread and let the backend run it
-        # (gloo's own threads, NCCL's stream) instead of handing it to Bagua's communication thread.
-        c = group.get_global_communicator()
-        if c.group is None or c.nranks() == 1:
-            return AsyncHandle(None, None)
-        nccl = dist.get_backend(c.group) == "nccl"
-        torch_op = dist.ReduceOp.AVG if (average and nccl) else (dist.ReduceOp.SUM)
-        work = multistream.all_reduce_async(flat, torch_op, c.group)  # several TCP streams when enabled
-        finish = (lambda: flat.div_(c.nranks())) if (average and not nccl) else None
-        return AsyncHandle(work, finish)
-
-    if not hierarchical and not scattergather:
-        allreduce_op.launch_async = launch_async  # type: ignore[attr-defined]
-
-    def _allreduce(flat: torch.Tensor, op: ReduceOp, c) -> None:
-        if scattergather and flat.numel() % c.nranks() == 0:
-            comm.reduce_scatter_inplace(flat, op, c)
-            comm.allgather_inplace(flat, c)
-        else:
-            multistream.allreduce_inplace(flat, op, c)  # several TCP streams when enabled for c
-
-    return allreduce_op

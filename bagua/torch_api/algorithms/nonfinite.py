@@ -62,10 +62,7 @@ def _undo_error_feedback(bagua_ddp: Any) -> None:
     # the residuals of error feedback now hold the bad step's NaN: give them their values from before the step
     # (every rank does, so the step leaves no trace, as if the batch had not been seen)
     for bucket in bagua_ddp.bagua_buckets:
-        for op in bucket._ops:
-            rollback = getattr(op, "rollback", None)  # the 8-bit ops with error feedback have one
-            if rollback is not None:
-                rollback()
+        bucket.rollback()  # only the 8-bit ops with error feedback have something to undo
 
 
 def check_finite_after_communication(

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from bagua.torch_api import env
 from bagua.torch_api.ops.decentralized import copy_weights_from, copy_weights_into
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
+from bagua.torch_api.ops.base import BucketOp
 
 __all__ = ["AsyncModelAverageOp", "WeightLock", "average_round", "negotiate"]
 
@@ -119,7 +120,7 @@ def average_round(
         lock.release_for_round()
 
 
-class AsyncModelAverageOp:
+class AsyncModelAverageOp(BucketOp):
     """One round of asynchronous model averaging as a bucket operation ``op(bucket, flat)``.
 
     Each execution negotiates first; once some rank has called :meth:`abort`, every rank's op stops averaging in
@@ -169,7 +170,7 @@ class AsyncModelAverageOp:
         self.lock.release_for_training()
 
     def reset(self) -> None:
-        """Average again after :meth:`abort` (every rank must call it)."""
+        """Average again after :meth:`abort`: the op's initial state (every rank must call it)."""
         self._abort = False
         self._stopped = False
 

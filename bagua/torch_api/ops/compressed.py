@@ -10,7 +10,7 @@ ByteGrad = a codec around a scatter-reduce-gather allreduce. The codec picks the
 
 Both quantize every element twice (at its rank, then at its chunk's owner), leave identical bytes on every rank,
 carry their quantization errors to the next step with error feedback (residuals that a non-finite step rolls back,
-saved and restored with :func:`centralized_low_precision_op`'s ``state_dict``), and run hierarchically (float32
+saved and restored with :class:`CentralizedLowPrecisionOp`'s ``state_dict``), and run hierarchically (float32
 inside a node, the codec among node leaders) through :func:`bagua.torch_api.comm.hierarchy.run_hierarchically`.
 
 Example:
@@ -28,11 +28,12 @@ from bagua.torch_api.codecs.block_allreduce import BlockWorkspace, block_allredu
 from bagua.torch_api.codecs.block import DEFAULT_BLOCK
 from bagua.torch_api.codecs.compressed_allreduce import Workspace, all_finite, bucket_tag, low_precision_allreduce_inplace
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.ops.base import BucketOp
 
 if TYPE_CHECKING:  # bucket.py imports this module (its MinMaxUInt8 op)
-    from bagua.torch_api.bucket import BaguaBucket, BucketOp
+    from bagua.torch_api.bucket import BaguaBucket
 
-__all__ = ["CODECS", "check_codec", "centralized_low_precision_op"]
+__all__ = ["CODECS", "CentralizedLowPrecisionOp", "check_codec", "centralized_low_precision_op"]
 
 #: The codecs of :func:`centralized_low_precision_op`: ``"chunk"`` (MinMaxUInt8 with one min/max per rank chunk,
 #: the original's, :mod:`~bagua.torch_api.codecs.compressed_allreduce`) and the block-wise ``"uint8"`` and ``"uint4"`` of
@@ -58,22 +59,17 @@ def check_codec(owner: str, codec: object, block_size: object) -> None:
                          f"the 'uint8'/'uint4' codecs (default {DEFAULT_BLOCK})")
 
 
-def centralized_low_precision_op(
-    group: BaguaProcessGroup,
-    hierarchical: bool = False,
-    average: bool = True,
-    error_feedback: bool = False,
-    on_finite: Optional[Callable[[str, bool], None]] = None,
-    codec: str = "chunk",
-    block_size: int = DEFAULT_BLOCK,
-    grad_scale: Optional[Callable[[], float]] = None,
-) -> BucketOp:
-    """Return the bucket operation ``op(bucket, flat)`` of ByteGrad (and of QAdam's compressed stage).
+_AnyWorkspace = Union[Workspace, BlockWorkspace]
+
+
+class CentralizedLowPrecisionOp(BucketOp):
+    """The bucket operation of ByteGrad (and of QAdam's compressed stage): ``op(bucket, flat)``.
 
     Flat: the compressed allreduce over the group (see the module docstring for which, by ``codec``). Hierarchical
     (when the group spans several nodes of several ranks): float32 reduce to each node's leader, the compressed
     allreduce among the leaders, broadcast inside each node. The buffers (and error-feedback residuals) of each
-    bucket live in this op and are reused every step.
+    bucket live in this op and are reused every step; :meth:`rollback`, :meth:`state_dict` and
+    :meth:`load_state_dict` act on the residuals, :meth:`reset` drops buffers and residuals.
 
     Args:
         group: the process group.
@@ -90,84 +86,106 @@ def centralized_low_precision_op(
         grad_scale: with error feedback, returns the scale of this step's gradients (``GradScaler.get_scale()``,
             read on the training thread); when it changes, the residuals (kept in units of scaled gradients) are
             multiplied by ``new_scale / old_scale`` before the exchange.
-
-    Example:
-        >>> bucket.append_op(centralized_low_precision_op(group, codec="uint8"))  # doctest: +SKIP
     """
-    check_codec("centralized_low_precision_op", codec, block_size)
-    workspaces: dict[tuple, Union[Workspace, BlockWorkspace]] = {}
 
-    def workspace_for(bucket: BaguaBucket, flat: torch.Tensor, c: BaguaCommunicator) -> Union[Workspace,
-                                                                                             BlockWorkspace]:
+    # the flat exchange of the chunk codec reads fresh gradients in place (see BaguaBucket.defer_restore)
+    accepts_pending = True
+
+    def __init__(self, group: BaguaProcessGroup, hierarchical: bool = False, average: bool = True,
+                 error_feedback: bool = False, on_finite: Optional[Callable[[str, bool], None]] = None,
+                 codec: str = "chunk", block_size: int = DEFAULT_BLOCK,
+                 grad_scale: Optional[Callable[[], float]] = None) -> None:
+        check_codec("centralized_low_precision_op", codec, block_size)
+        self.group, self.hierarchical, self.average = group, hierarchical, average
+        self.error_feedback, self.on_finite, self.grad_scale = error_feedback, on_finite, grad_scale
+        self.codec, self.block_size = codec, block_size
+        self._workspaces: dict[tuple, _AnyWorkspace] = {}
+        self._loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint, for workspaces not yet built
+
+    def _workspace_for(self, bucket: BaguaBucket, flat: torch.Tensor, c: BaguaCommunicator) -> _AnyWorkspace:
         key = (bucket.name, flat.numel(), flat.dtype, flat.device, tuple(c.ranks))
-        ws = workspaces.get(key)
+        ws = self._workspaces.get(key)
         if ws is None:
             # a bucket rebuilt with another size: its old buffers (and residuals) cannot be reused
-            for stale in [k for k in workspaces if k[0] == bucket.name]:
-                del workspaces[stale]
-            if codec == "chunk":
-                ws = Workspace(flat.numel(), c.nranks(), flat.device, error_feedback=error_feedback)
+            for stale in [k for k in self._workspaces if k[0] == bucket.name]:
+                del self._workspaces[stale]
+            if self.codec == "chunk":
+                ws = Workspace(flat.numel(), c.nranks(), flat.device, error_feedback=self.error_feedback)
             else:
-                ws = BlockWorkspace(flat.numel(), c.nranks(), codec, block_size, keep_previous=error_feedback)
-            workspaces[key] = ws
-            _load_residuals(ws)
+                ws = BlockWorkspace(flat.numel(), c.nranks(), self.codec, self.block_size,
+                                    keep_previous=self.error_feedback)
+            self._workspaces[key] = ws
+            self._load_residuals(ws)
         return ws
 
-    def low_precision_op(bucket: BaguaBucket, flat: torch.Tensor) -> None:
+    def __call__(self, bucket: BaguaBucket, flat: torch.Tensor) -> None:
+        group = self.group
         verdict: list[Optional[bool]] = [None]
         tag = bucket_tag(bucket, group)
-        flat_mode = not hierarchy.is_hierarchical(group, hierarchical)
-        if codec != "chunk" or not flat_mode or not group.get_global_communicator().is_member() or group.size() == 1:
+        flat_mode = not hierarchy.is_hierarchical(group, self.hierarchical)
+        if (self.codec != "chunk" or not flat_mode or not group.get_global_communicator().is_member()
+                or group.size() == 1):
             bucket.materialize_pending()  # only the flat exchange of the chunk codec reads fresh gradients in place
-        scale = grad_scale() if grad_scale is not None and error_feedback else None  # on the training thread
+        # read on the training thread
+        scale = self.grad_scale() if self.grad_scale is not None and self.error_feedback else None
 
         def exchange(t: torch.Tensor, c: BaguaCommunicator) -> None:
-            ws = workspace_for(bucket, t, c)
-            ws.follow_scale(scale)
-            if isinstance(ws, BlockWorkspace):  # its verdict is read from the result: a block holding NaN/Inf
-                x = t if t.dtype == torch.float32 else t.float()  # decodes to NaN on every rank
-                block_allreduce_inplace(x, c, codec, block_size, average, ws, error_feedback, tag)
-                if x is not t:
-                    t.copy_(x)
-                return
-            # gradients not yet copied into the bucket are read where they are (no copy of the bucket)
-            direct = flat_mode and bucket.has_pending() and ws.staging is None and ws.residual is None
-            if not direct:
-                bucket.materialize_pending()
-            verdict[0] = low_precision_allreduce_inplace(
-                t, c, average, ws, source=bucket.pieces if direct else None, tag=tag
-            )
+            verdict[0] = self._exchange(bucket, t, c, scale, flat_mode, tag)
 
-        hierarchy.run_hierarchically(group, hierarchical, flat, exchange, average)
+        hierarchy.run_hierarchically(group, self.hierarchical, flat, exchange, self.average)
         # hierarchically only the leaders see the 8-bit headers: every rank then checks the broadcast result
         finite = verdict[0] if flat_mode else None
         if bucket.padding:
             flat[bucket.numel :].zero_()  # the padding takes part in min/max: keep it zero, as in the maths
-        if on_finite is not None:
-            on_finite(bucket.name, all_finite(flat) if finite is None else finite)
+        if self.on_finite is not None:
+            self.on_finite(bucket.name, all_finite(flat) if finite is None else finite)
 
-    loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint, for workspaces not yet built
+    def _exchange(self, bucket: BaguaBucket, t: torch.Tensor, c: BaguaCommunicator, scale: Optional[float],
+                  flat_mode: bool, tag: int) -> Optional[bool]:
+        """Allreduce ``t`` over ``c`` with the codec; return the chunk codec's finite verdict (else ``None``)."""
+        ws = self._workspace_for(bucket, t, c)
+        ws.follow_scale(scale)
+        if isinstance(ws, BlockWorkspace):  # its verdict is read from the result: a block holding NaN/Inf
+            x = t if t.dtype == torch.float32 else t.float()  # decodes to NaN on every rank
+            block_allreduce_inplace(x, c, self.codec, self.block_size, self.average, ws, self.error_feedback, tag)
+            if x is not t:
+                t.copy_(x)
+            return None
+        # gradients not yet copied into the bucket are read where they are (no copy of the bucket)
+        direct = flat_mode and bucket.has_pending() and ws.staging is None and ws.residual is None
+        if not direct:
+            bucket.materialize_pending()
+        return low_precision_allreduce_inplace(
+            t, c, self.average, ws, source=bucket.pieces if direct else None, tag=tag
+        )
 
-    def rollback() -> None:
-        for ws in workspaces.values():
+    def reset(self) -> None:
+        """Drop every bucket's buffers and residuals."""
+        self._workspaces.clear()
+
+    def rollback(self) -> None:
+        """Give the residuals their values from before the last call."""
+        for ws in self._workspaces.values():
             ws.rollback()
 
-    def state_dict() -> dict[str, torch.Tensor]:
+    def state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's error-feedback residuals (``residual``, ``server_residual``); empty without them."""
-        state = dict(loaded)
-        for ws in workspaces.values():
+        state = dict(self._loaded)
+        for ws in self._workspaces.values():
             if ws.residual is not None:
                 state = {"residual": ws.residual.clone(), "server_residual": ws.server_residual.clone()}
         return state
 
-    def load_state_dict(state: dict[str, torch.Tensor]) -> None:
-        loaded.clear()
-        loaded.update(state)
-        for ws in workspaces.values():
-            _load_residuals(ws)
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the residuals of :meth:`state_dict` (into the buffers now, or once they are built)."""
+        self._loaded.clear()
+        self._loaded.update(state)
+        for ws in self._workspaces.values():
+            self._load_residuals(ws)
 
-    def _load_residuals(ws: Union[Workspace, BlockWorkspace]) -> None:
-        if not error_feedback or not loaded:
+    def _load_residuals(self, ws: _AnyWorkspace) -> None:
+        loaded = self._loaded
+        if not self.error_feedback or not loaded:
             return
         if isinstance(ws, BlockWorkspace):
             ws.load_state_dict(loaded)  # checks the shapes
@@ -180,9 +198,6 @@ def centralized_low_precision_op(
             ws.server_residual.copy_(loaded["server_residual"])
         loaded.clear()
 
-    low_precision_op.reset = workspaces.clear  # type: ignore[attr-defined]  (drops buffers and residuals)
-    low_precision_op.rollback = rollback  # type: ignore[attr-defined]  (residuals as before the last call)
-    low_precision_op.state_dict = state_dict  # type: ignore[attr-defined]
-    low_precision_op.load_state_dict = load_state_dict  # type: ignore[attr-defined]
-    low_precision_op.accepts_pending = True  # type: ignore[attr-defined]  (see BaguaBucket.defer_restore)
-    return low_precision_op
+
+#: The original's name of the operation's constructor (``bucket.append_op(centralized_low_precision_op(group))``).
+centralized_low_precision_op = CentralizedLowPrecisionOp

@@ -6,8 +6,9 @@ buckets' operations here, and so do ``BaguaBucket.append_decentralized_synchrono
 ``append_low_precision_decentralized_synchronous_op`` for user-written algorithms: one implementation of the
 maths (see those classes for the equations).
 
-- :func:`decentralized_op`: ``peer_weight = W(bucket weights)``, ``W`` the peer average of ``all``, ``shift_one``
-  or ``ring``; ``op.copy_back_peer_weight(bucket)`` then overwrites the weights with it.
+- :class:`DecentralizedOp` (:func:`decentralized_op`): ``peer_weight = W(bucket weights)``, ``W`` the peer
+  average of ``all``, ``shift_one`` or ``ring``; ``op.copy_back_peer_weight(bucket)`` then overwrites the weights
+  with it.
 - :class:`LowPrecisionDecentralizedOp`: one round of 8-bit difference exchange on a ring, updating the public
   replicas ``x̂_i`` (``weight``), ``x̂_l`` and ``x̂_r`` and setting the weights to ``x̂_i``.
 """
@@ -24,10 +25,12 @@ from bagua.torch_api.comm import hierarchy
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.codecs.minmax_uint8 import BLOCK, decode_chunks, encode_chunks, scratch_buffer, wire_buffer
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.ops.base import BucketOp
 
 __all__ = [
     "P2P_SEGMENT",
     "PEER_SELECTION_MODES",
+    "DecentralizedOp",
     "LowPrecisionDecentralizedOp",
     "Replicas",
     "copy_weights_from",
@@ -162,14 +165,8 @@ def _cached(buffers: dict, peer: int, like: torch.Tensor) -> torch.Tensor:
 _MIXERS = {"all": _mix_all, "shift_one": _mix_shift_one, "ring": _mix_ring}
 
 
-def decentralized_op(
-    group: BaguaProcessGroup,
-    peer_weight: torch.Tensor,
-    hierarchical: bool = True,
-    peer_selection_mode: str = "all",
-    first_step: int = 0,
-) -> Callable:
-    """The operation of decentralized SGD: ``peer_weight = W(weights)``, then ``op.copy_back_peer_weight(bucket)``.
+class DecentralizedOp(BucketOp):
+    """The operation of decentralized SGD: ``peer_weight = W(weights)``, then :meth:`copy_back_peer_weight`.
 
     The op copies the bucket's weights into ``peer_weight`` (a flat tensor of the bucket's size) and replaces it
     with the peer average; the weights themselves are only read, so forward and backward may run meanwhile.
@@ -182,30 +179,42 @@ def decentralized_op(
         peer_selection_mode: ``"all"``, ``"shift_one"`` or ``"ring"``.
         first_step: the round number of the first execution (``shift_one`` pairs peers by round).
 
-    Returns:
-        ``op(bucket, flat)``, with ``op.step`` (rounds run so far, plus ``first_step``) and
-        ``op.copy_back_peer_weight(bucket)``.
+    Attributes:
+        step: rounds run so far, plus ``first_step`` (an algorithm sets it when it restores a checkpoint).
     """
-    if peer_selection_mode not in _MIXERS:
-        raise ValueError(
-            f"unknown peer_selection_mode {peer_selection_mode!r}; available: {', '.join(PEER_SELECTION_MODES)}"
-        )
-    mix = _MIXERS[peer_selection_mode]
-    buffers: dict[int, torch.Tensor] = {}
 
-    def op(bucket, flat: torch.Tensor) -> None:
-        step = op.step
-        peer_weight[: flat.numel()].copy_(flat)
-        hierarchy.run_hierarchically(group, hierarchical, peer_weight, lambda t, c: mix(t, c, step, buffers))
-        op.step += 1
+    def __init__(
+        self,
+        group: BaguaProcessGroup,
+        peer_weight: torch.Tensor,
+        hierarchical: bool = True,
+        peer_selection_mode: str = "all",
+        first_step: int = 0,
+    ) -> None:
+        if peer_selection_mode not in _MIXERS:
+            raise ValueError(
+                f"unknown peer_selection_mode {peer_selection_mode!r}; available: {', '.join(PEER_SELECTION_MODES)}"
+            )
+        self.group, self.peer_weight, self.hierarchical = group, peer_weight, hierarchical
+        self.step = first_step
+        self._mix = _MIXERS[peer_selection_mode]
+        self._buffers: dict[int, torch.Tensor] = {}
 
-    def copy_back_peer_weight(bucket) -> None:
+    def __call__(self, bucket, flat: torch.Tensor) -> None:
+        step = self.step
+        self.peer_weight[: flat.numel()].copy_(flat)
+        hierarchy.run_hierarchically(self.group, self.hierarchical, self.peer_weight,
+                                     lambda t, c: self._mix(t, c, step, self._buffers))
+        self.step += 1
+
+    def copy_back_peer_weight(self, bucket) -> None:
+        """Overwrite the bucket's weights with the peer average of the last round."""
         with torch.no_grad():
-            copy_weights_from(bucket, peer_weight)
+            copy_weights_from(bucket, self.peer_weight)
 
-    op.step = first_step  # type: ignore[attr-defined]
-    op.copy_back_peer_weight = copy_back_peer_weight  # type: ignore[attr-defined]
-    return op
+
+#: The original's name of the operation's constructor.
+decentralized_op = DecentralizedOp
 
 
 # -- low precision --------------------------------------------------------------------------------------------
@@ -272,7 +281,7 @@ def _ring_round_finish(r: Replicas, c: BaguaCommunicator) -> None:
     decode_chunks(r.wire, r.mine.view(1, -1), accumulate=True, work=r.scratch)
 
 
-class LowPrecisionDecentralizedOp:
+class LowPrecisionDecentralizedOp(BucketOp):
     """One round of low-precision decentralized SGD on a bucket: ``op(bucket, flat)``.
 
     Started by :meth:`__call__` (node reduce when hierarchical, then steps 1-3 on the ring); finished by
