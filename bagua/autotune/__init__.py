@@ -14,18 +14,11 @@ from bagua.autotune.controller import AutotuneController
 from bagua.autotune.hooks import attach, choose_streams, detach, get_controller, on_wrap
 from bagua.autotune.log import AutotuneLog, plot, read_log
 from bagua.autotune.trial import bucket_plan
-from bagua.autotune.tuner import (
-    Hyperparameters,
-    Tuner,
-    TuneResult,
-    TuneSpace,
-    load_tune,
-    save_tune,
-    tune_environment,
-)
+from bagua.autotune.settings import TuneSettings
+from bagua.autotune.tuner import Hyperparameters, Tuner, TuneResult, TuneSpace, load_tune, save_tune, tune_environment
 
 __all__ = [
     "AutotuneController", "bucket_plan", "attach", "choose_streams", "detach", "get_controller", "on_wrap",
-    "AutotuneLog", "plot", "read_log", "Hyperparameters", "Tuner", "TuneResult", "TuneSpace", "load_tune",
-    "save_tune", "tune_environment",
+    "AutotuneLog", "plot", "read_log", "Hyperparameters", "Tuner", "TuneResult", "TuneSpace", "TuneSettings",
+    "load_tune", "save_tune", "tune_environment",
 ]

@@ -27,6 +27,7 @@ run on a group of their own, so they never interleave with the algorithm's commu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -38,11 +39,13 @@ import torch
 import torch.distributed as dist
 
 from bagua.autotune.log import AutotuneLog, default_log_path, describe
+from bagua.autotune.settings import TuneSettings
 from bagua.autotune.trial import batch_size, bucket_plan, robust_elapsed
 from bagua.autotune.tuner import Hyperparameters, Tuner, TuneResult, TuneSpace, load_tune, save_tune, signature
 from bagua.torch_api import env, multistream
 
-__all__ = ["AutotuneController", "bucket_plan", "default_log_path", "describe"]  # the last three: from trial, log
+# the last four from settings, trial and log, where they live
+__all__ = ["AutotuneController", "TuneSettings", "bucket_plan", "default_log_path", "describe"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,54 +63,36 @@ class AutotuneController:
 
     Args:
         bagua_ddp: the engine (``model.bagua_ddp``).
-        max_samples: trials after the default measurement.
-        warmup_time_s: seconds of training before the first measurement.
-        sampling_confidence_time_s: the shortest measured window, in seconds.
-        settle_steps: iterations after a change that are not measured.
-        min_window_steps: the fewest iterations in a window.
-        log_path: CSV log written by rank 0 (``None``: no log; ``"default"``: ``bagua_autotune_<model>.csv`` in
-            the temp folder, as the original).
-        tune_file: where the finished tune is saved and looked for (``None``: a file in the cache dir named
-            after the model and the cluster); ``""`` disables saving and loading.
-        reload: apply a saved tune of the same model and cluster instead of tuning.
-        strategy: ``"tpe"`` or ``"grid"`` (exhaustive sweep).
-        space: the search space (default: :meth:`TuneSpace.for_model`).
-        seed: the sampler's seed.
+        settings: what to tune and how (:class:`~bagua.autotune.settings.TuneSettings`; default: its defaults).
+        overrides: fields of :class:`~bagua.autotune.settings.TuneSettings` that replace those of ``settings``
+            (``AutotuneController(engine, max_samples=20)``).
     """
 
-    def __init__(
-        self,
-        bagua_ddp: Any,
-        max_samples: int = 60,
-        warmup_time_s: float = 30.0,
-        sampling_confidence_time_s: float = 5.0,
-        settle_steps: int = 2,
-        min_window_steps: int = 3,
-        log_path: Optional[str] = None,
-        tune_file: Optional[str] = None,
-        reload: bool = True,
-        strategy: str = "tpe",
-        space: Optional[TuneSpace] = None,
-        seed: int = 0,
-    ) -> None:
-        if max_samples < 1:
-            raise ValueError(f"max_samples must be >= 1, got {max_samples}")
-        if warmup_time_s < 0 or sampling_confidence_time_s < 0:
-            raise ValueError("warmup_time_s and sampling_confidence_time_s must be >= 0 seconds")
-        if settle_steps < 0 or min_window_steps < 1:
-            raise ValueError(
-                f"need settle_steps >= 0 and min_window_steps >= 1, got {settle_steps}, {min_window_steps}")
+    def __init__(self, bagua_ddp: Any, settings: Optional[TuneSettings] = None, **overrides: Any) -> None:
+        settings = dataclasses.replace(settings or TuneSettings(), **overrides)  # checks the settings
         if not bagua_ddp.bagua_optimizers:
             raise ValueError("autotune counts iterations by optimizer.step(): wrap the model with its optimizer(s)")
-        # user settings
         self.ddp = bagua_ddp
-        self.max_samples = max_samples
-        self.warmup_time_s = warmup_time_s
-        self.sampling_confidence_time_s = sampling_confidence_time_s
-        self.settle_steps = settle_steps
-        self.min_window_steps = min_window_steps
-        # internal state
-        pg = bagua_ddp.process_group
+        self.settings = settings
+        self._init_topology()
+        self._init_search()
+        self._init_window()
+        # stats, identical on every rank: (iteration, bagua_train_step_counter, hyper-parameters, ordered)
+        self.applied: list[tuple[int, int, Hyperparameters, bool]] = []
+        self.result: Optional[TuneResult] = None
+        if settings.reload and self.tune_file and self._load_saved():
+            return
+        if self._is_root:
+            logger.info(
+                "autotune: started on %d rank(s): %d trial(s) after %.0f s of warmup, windows of >= %.1f s, "
+                "starting from %s%s; the tune will be saved to %s", len(self._ranks), settings.max_samples,
+                settings.warmup_time_s, settings.sampling_confidence_time_s, describe(self.default),
+                f"; CSV log {self.log_path}" if self.log_path else "", self.tune_file or "(nowhere: tune_file='')")
+        self._register_hooks()
+
+    def _init_topology(self) -> None:
+        """The ranks, the controller's own group and device, the streams, whether hierarchical mode is tuned."""
+        pg = self.ddp.process_group
         comm = pg.get_global_communicator()
         self._ranks = list(comm.ranks)
         self._is_root = dist.get_rank() == self._ranks[0]
@@ -117,24 +102,34 @@ class AutotuneController:
         self._msg = multistream.get(pg)
         # only a mode switch the algorithm accepts both ways (shift_one needs an even number of peers in either)
         self._tunes_hierarchical = pg.is_hierarchical_possible() and all(
-            bagua_ddp.impl.accepts_hierarchical(h) for h in (True, False)
+            self.ddp.impl.accepts_hierarchical(h) for h in (True, False)
         )
-        tensors = list(bagua_ddp._bagua_tensors)
+
+    def _init_search(self) -> None:
+        """The search space, the signatures that name the tune, the tune file, the default settings, the tuner."""
+        settings, impl, tensors = self.settings, self.ddp.impl, self.ddp.bagua_tensors
+        pg, max_streams = self.ddp.process_group, self._msg.max_streams if self._msg else 1
         self._names = [t.name for t in tensors]
         total_bytes = sum(t.numel() * t.param.element_size() for t in tensors)
-        self.space = space or TuneSpace.for_model(total_bytes, self._tunes_hierarchical,
-                                                  self._msg.max_streams if self._msg else 1)
-        self.model_signature = signature(type(bagua_ddp.impl).__name__,
-                                         [(t.name, list(t.shape), str(t.dtype)) for t in tensors])
-        self.cluster_signature = signature(len(self._ranks), pg.node_layout(), dist.get_backend(comm.group),
-                                           self._msg.max_streams if self._msg else 1)
-        space_signature = signature(asdict(self.space), strategy)  # another search: another file
+        self.space = settings.space or TuneSpace.for_model(total_bytes, self._tunes_hierarchical, max_streams)
+        self.model_signature = signature(type(impl).__name__, [(t.name, list(t.shape), str(t.dtype)) for t in tensors])
+        self.cluster_signature = signature(len(self._ranks), pg.node_layout(),
+                                           dist.get_backend(pg.get_global_communicator().group), max_streams)
+        space_signature = signature(asdict(self.space), settings.strategy)  # another search: another file
         name = f"{self.model_signature}-{self.cluster_signature}-{space_signature}.json"
-        self.tune_file = tune_file if tune_file is not None else os.path.join(env.get_cache_dir(), "autotune", name)
-        self.default = Hyperparameters(env.get_default_bucket_size(),
-                                       bool(getattr(bagua_ddp.impl, "hierarchical", False)),
+        self.tune_file = settings.tune_file if settings.tune_file is not None else os.path.join(
+            env.get_cache_dir(), "autotune", name)
+        self.default = Hyperparameters(env.get_default_bucket_size(), bool(getattr(impl, "hierarchical", False)),
                                        self._msg.num_streams if self._msg else 1)
         self.current = self.default
+        self._tuner: Optional[Tuner] = Tuner(self.space, settings.max_samples, settings.strategy,
+                                             settings.seed) if self._is_root else None
+        log_path = settings.log_path
+        self.log_path = default_log_path(self.model_signature) if log_path == "default" else log_path
+        self._log = AutotuneLog(self.log_path) if (self.log_path and self._is_root) else None
+
+    def _init_window(self) -> None:
+        """The phase, the iteration counters and the measured window, at their start."""
         self.phase = _WARMUP
         self.iteration = 0
         self._next_check = 1
@@ -152,23 +147,6 @@ class AutotuneController:
         self._best_ordered = False
         self._handles: list[Any] = []
         self._order_handles: list[Any] = []
-        self._tuner: Optional[Tuner] = Tuner(self.space, max_samples, strategy, seed) if self._is_root else None
-        if log_path == "default":
-            log_path = default_log_path(self.model_signature)
-        self.log_path = log_path
-        self._log = AutotuneLog(log_path) if (log_path and self._is_root) else None
-        # stats, identical on every rank: (iteration, bagua_train_step_counter, hyper-parameters, ordered)
-        self.applied: list[tuple[int, int, Hyperparameters, bool]] = []
-        self.result: Optional[TuneResult] = None
-        if reload and self.tune_file and self._load_saved():
-            return
-        if self._is_root:
-            logger.info(
-                "autotune: started on %d rank(s): %d trial(s) after %.0f s of warmup, windows of >= %.1f s, "
-                "starting from %s%s; the tune will be saved to %s", len(self._ranks), max_samples, warmup_time_s,
-                sampling_confidence_time_s, describe(self.default),
-                f"; CSV log {log_path}" if log_path else "", self.tune_file or "(nowhere: tune_file='')")
-        self._register_hooks()
 
     # -- hooks -------------------------------------------------------------------------------------------------
 
@@ -176,8 +154,9 @@ class AutotuneController:
         module = self.ddp.module
         self._handles.append(module.register_forward_pre_hook(self._on_forward_pre))
         self._handles.append(self.ddp.bagua_optimizers[0].register_step_post_hook(self._on_iteration_end))
-        index = {id(t.param): i for i, t in enumerate(self.ddp._bagua_tensors)}
-        for t in self.ddp._bagua_tensors:
+        tensors = self.ddp.bagua_tensors
+        index = {id(t.param): i for i, t in enumerate(tensors)}
+        for t in tensors:
             if isinstance(t.param, torch.Tensor) and t.param.requires_grad:
                 i = index[id(t.param)]
                 self._order_handles.append(t.param.register_post_accumulate_grad_hook(
@@ -211,7 +190,7 @@ class AutotuneController:
         if self._t_last is not None:
             self._step_time = now - self._t_last if self._step_time == 0 else 0.8 * self._step_time + 0.2 * (
                 now - self._t_last)
-            if self._since_change > self.settle_steps:
+            if self._since_change > self.settings.settle_steps:
                 self._durations.append(now - self._t_last)
                 self._samples += self._samples_pending
         self._t_last = now
@@ -236,13 +215,14 @@ class AutotuneController:
         n = len(self._ranks)
         elapsed, steps = elapsed_sum / n, steps_sum / n
         if self.phase == _WARMUP:
-            left = self.warmup_time_s - (now - self._t_attach)
+            left = self.settings.warmup_time_s - (now - self._t_attach)
             if left > 0:
                 return self._encode(_CONTINUE, self.current, next_in=self._iterations_for(left))
             return self._encode(_RESTART, self.current, next_in=self._window_iterations())
-        if steps < self.min_window_steps or elapsed < self.sampling_confidence_time_s:
-            missing = max(self.min_window_steps - steps,
-                          self._iterations_for(self.sampling_confidence_time_s - elapsed))
+        settings = self.settings
+        if steps < settings.min_window_steps or elapsed < settings.sampling_confidence_time_s:
+            missing = max(settings.min_window_steps - steps,
+                          self._iterations_for(settings.sampling_confidence_time_s - elapsed))
             return self._encode(_CONTINUE, self.current, next_in=max(1, int(missing)))
         score = samples / elapsed if elapsed > 0 else 0.0
         assert self._tuner is not None
@@ -263,7 +243,7 @@ class AutotuneController:
 
     def _log_window(self, score: float, steps: float, elapsed: float) -> None:
         """Rank 0: one log record per measured window."""
-        what = {_DEFAULT: "default", _TRIAL: f"trial {self._trial}/{self.max_samples}",
+        what = {_DEFAULT: "default", _TRIAL: f"trial {self._trial}/{self.settings.max_samples}",
                 _CONFIRM: "chosen, re-measured"}.get(self.phase, self.phase)
         logger.info("autotune: %s: %s: %.1f samples/s (%d steps in %.1f s)", what, describe(self.current), score,
                     steps, elapsed)
@@ -288,7 +268,9 @@ class AutotuneController:
         return max(1, min(10_000, math.ceil(seconds / self._step_time)))
 
     def _window_iterations(self) -> int:
-        return self.settle_steps + max(self.min_window_steps, self._iterations_for(self.sampling_confidence_time_s))
+        settings = self.settings
+        return settings.settle_steps + max(settings.min_window_steps,
+                                           self._iterations_for(settings.sampling_confidence_time_s))
 
     def _encode(self, action: int, hp: Hyperparameters, ordered: bool = False, next_in: int = 1) -> list[int]:
         return [action, self.iteration, hp.bucket_size, int(hp.is_hierarchical_reduce), hp.num_streams,
@@ -340,8 +322,8 @@ class AutotuneController:
             self.ddp.impl.hierarchical = hp.is_hierarchical_reduce
         if self._msg is not None:
             self._msg.num_streams = min(hp.num_streams, self._msg.max_streams)
-        plan = bucket_plan(self.ddp._bagua_tensors, self._order if ordered else None, hp.bucket_size)
-        self.ddp._reset_buckets(plan)
+        plan = bucket_plan(self.ddp.bagua_tensors, self._order if ordered else None, hp.bucket_size)
+        self.ddp.rebucket(plan)
         self.current = hp
         self.applied.append((self.iteration, self.ddp.bagua_train_step_counter, hp, ordered))
 

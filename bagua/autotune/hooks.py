@@ -16,8 +16,10 @@ import weakref
 from typing import Any, Optional
 
 from bagua.autotune.controller import AutotuneController
+from bagua.autotune.settings import TuneSettings
 from bagua.autotune.tuner import TuneSpace
 from bagua.torch_api import communication, env, multistream
+from bagua.torch_api.data_parallel._comm_plane import is_engine
 
 __all__ = ["attach", "choose_streams", "detach", "get_controller", "on_wrap"]
 
@@ -31,7 +33,7 @@ def _engine(model: Any) -> Any:
         engine = getattr(model, attr, None)
         if engine is not None:
             return engine
-    if hasattr(model, "bagua_buckets") and hasattr(model, "_reset_buckets"):
+    if is_engine(model):
         return model
     raise ValueError(f"{type(model).__name__} is not wrapped by Bagua: call model.with_bagua(optimizers, algorithm) "
                      "before bagua.autotune.attach(model)")
@@ -81,21 +83,15 @@ def attach(
     detach(engine)
     if log_path is None and env.get_is_output_autotune_log():
         log_path = "default"
-    controller = AutotuneController(
-        engine,
+    # the settings left None come from the launcher
+    settings = TuneSettings(
         max_samples=env.get_autotune_max_samples() if max_samples is None else max_samples,
         warmup_time_s=env.get_autotune_warmup_time_s() if warmup_time_s is None else warmup_time_s,
         sampling_confidence_time_s=(env.get_autotune_sampling_confidence_time_s()
                                     if sampling_confidence_time_s is None else sampling_confidence_time_s),
-        settle_steps=settle_steps,
-        min_window_steps=min_window_steps,
-        log_path=log_path,
-        tune_file=tune_file,
-        reload=reload,
-        strategy=strategy,
-        space=space,
-        seed=seed,
-    )
+        settle_steps=settle_steps, min_window_steps=min_window_steps, log_path=log_path, tune_file=tune_file,
+        reload=reload, strategy=strategy, space=space, seed=seed)
+    controller = AutotuneController(engine, settings)
     _controllers[engine] = controller
     return controller
 

@@ -548,8 +548,8 @@ def _worker_rebucket_low_precision(rank, world_size):
         return out
 
     train(3, 0)
-    names = [t.name for t in ddp._bagua_tensors]
-    ddp._reset_buckets([names[:3], names[3:]])  # what autotune does: the same tensors in other buckets
+    names = [t.name for t in ddp.bagua_tensors]
+    ddp.rebucket([names[:3], names[3:]])  # what autotune does: the same tensors in other buckets
     assert len(ddp.bagua_buckets) == 2
     train(3, 3)
     return replicas()

@@ -68,9 +68,8 @@ class AsyncModelAverageAlgorithmImpl(AlgorithmImpl):
     ) -> None:
         super().__init__(process_group)
         # user hyper-parameters
-        self.peer_selection_mode = peer_selection_mode
-        self.sync_interval_ms = sync_interval_ms
-        self.warmup_steps = warmup_steps
+        self.peer_selection_mode, self.sync_interval_ms, self.warmup_steps = (peer_selection_mode, sync_interval_ms,
+                                                                              warmup_steps)
         # internal state
         self.step_id = 0
         self._warmup = warmup_steps > 0
@@ -332,12 +331,7 @@ class AsyncModelAverageAlgorithm(Algorithm):
             warnings.warn("AsyncModelAverageAlgorithm(sync_interval_ms=0) never averages the weights", stacklevel=3)
 
     def reify(self, process_group: BaguaProcessGroup) -> AsyncModelAverageAlgorithmImpl:
-        return AsyncModelAverageAlgorithmImpl(
-            process_group,
-            peer_selection_mode=self.peer_selection_mode,
-            sync_interval_ms=self.sync_interval_ms,
-            warmup_steps=self.warmup_steps,
-        )
+        return AsyncModelAverageAlgorithmImpl(process_group, **self.hyperparameters())
 
     def abort(self, bagua_module: torch.nn.Module) -> None:
         """Stop averaging for ``bagua_module`` (same as ``bagua_module.bagua_algorithm.abort(bagua_module)``)."""

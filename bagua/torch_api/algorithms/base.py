@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -92,6 +93,11 @@ class Algorithm:
     def reify(self, process_group: BaguaProcessGroup) -> "AlgorithmImpl":
         """Return the implementation of this algorithm bound to ``process_group``."""
         raise NotImplementedError(f"{type(self).__name__} must implement reify(process_group)")
+
+    def hyperparameters(self) -> dict[str, Any]:
+        """Return the dataclass fields as ``{name: value}``, the values not copied (a ``GradScaler`` stays the
+        user's object); the built-in ``reify`` pass them to implementations whose arguments bear the same names."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     @classmethod
     def init(cls, name: str, **kwargs: Any) -> "Algorithm":

@@ -102,13 +102,8 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
     ) -> None:
         super().__init__(process_group)
         # user settings
-        self.hierarchical = hierarchical
-        self.average = average
-        self.error_feedback = error_feedback
-        self.nonfinite = nonfinite
-        self.codec = codec
-        self.block_size = block_size
-        self.grad_scaler = grad_scaler
+        self.hierarchical, self.average, self.error_feedback = hierarchical, average, error_feedback
+        self.nonfinite, self.codec, self.block_size, self.grad_scaler = nonfinite, codec, block_size, grad_scaler
         # internal state
         self._verdicts = FiniteVerdicts()
         self._ops: dict[str, Any] = {}  # bucket name -> its operation (which holds the residuals)
@@ -223,13 +218,4 @@ class ByteGradAlgorithm(Algorithm):
                           "error_feedback=True it does nothing (GradScaler works without it)", stacklevel=3)
 
     def reify(self, process_group: BaguaProcessGroup) -> ByteGradAlgorithmImpl:
-        return ByteGradAlgorithmImpl(
-            process_group,
-            hierarchical=self.hierarchical,
-            average=self.average,
-            error_feedback=self.error_feedback,
-            nonfinite=self.nonfinite,
-            codec=self.codec,
-            block_size=self.block_size,
-            grad_scaler=self.grad_scaler,
-        )
+        return ByteGradAlgorithmImpl(process_group, **self.hyperparameters())

@@ -79,8 +79,7 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
     ) -> None:
         super().__init__(process_group)
         # user hyper-parameters
-        self.hierarchical = hierarchical
-        self.peer_selection_mode = peer_selection_mode
+        self.hierarchical, self.peer_selection_mode = hierarchical, peer_selection_mode
         self.communication_interval = communication_interval
         # internal state: one peer-weight buffer per bucket; rounds done (drives shift_one's pairing)
         self._peer_weight: dict[str, torch.Tensor] = {}
@@ -200,12 +199,7 @@ class DecentralizedAlgorithm(Algorithm):
                 + (", or hierarchical=False" if what.startswith("nodes") else "")
             )
         hierarchy.log_if_one_node(process_group, self.hierarchical, "DecentralizedAlgorithm")
-        return DecentralizedAlgorithmImpl(
-            process_group,
-            hierarchical=self.hierarchical,
-            peer_selection_mode=self.peer_selection_mode,
-            communication_interval=self.communication_interval,
-        )
+        return DecentralizedAlgorithmImpl(process_group, **self.hyperparameters())
 
 
 # The low-precision variant lives in its own module; its names stay importable from here, as in the original.

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from bagua.torch_api import communication as comm
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 
-__all__ = ["private_group", "enable_multistream_like", "CommWorker", "CommJob", "register_engine"]
+__all__ = ["private_group", "enable_multistream_like", "CommWorker", "CommJob", "register_engine", "is_engine",
+           "wait_or_raise"]
 
 _engine_count = 0  # private groups created in this process; the same on every rank, since wrapping is collective
 _private_groups: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
@@ -140,21 +141,33 @@ class CommJob:
 
     def wait(self, timeout_s: float) -> None:
         """Wait at most ``timeout_s`` seconds; raise if the function failed or is still running."""
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        try:
-            self.future.result(timeout=timeout_s)
-        except FutureTimeout:
-            raise RuntimeError(
-                f"rank {rank}: {self.what} did not finish within {timeout_s:.0f} s; a peer may be dead or stuck. "
-                "Set BAGUA_COMM_TIMEOUT_S to change the limit."
-            ) from None
-        except Exception as exc:
-            raise RuntimeError(
-                f"rank {rank}: {self.what} failed: {exc}. If a peer died or is stuck, this fails after "
-                f"BAGUA_COMM_TIMEOUT_S={timeout_s:.0f} s."
-            ) from exc
+        wait_or_raise(self.future.result, timeout_s, self.what)
         if self.done_event is not None:
             torch.cuda.current_stream().wait_event(self.done_event)
+
+
+def wait_or_raise(wait: Callable[[float], object], timeout_s: float, what: str) -> None:
+    """Call ``wait(timeout_s)``; turn a timeout or a failure into a ``RuntimeError`` that names the rank and ``what``.
+
+    Example:
+        >>> wait_or_raise(lambda timeout: None, 1.0, "nothing")
+    """
+    try:
+        wait(timeout_s)
+    except FutureTimeout:
+        raise RuntimeError(
+            f"rank {_rank()}: {what} did not finish within {timeout_s:.0f} s; a peer may be dead or stuck. "
+            "Set BAGUA_COMM_TIMEOUT_S to change the limit."
+        ) from None
+    except Exception as exc:
+        raise RuntimeError(
+            f"rank {_rank()}: {what} failed: {exc}. If a peer died or is stuck, this fails after "
+            f"BAGUA_COMM_TIMEOUT_S={timeout_s:.0f} s."
+        ) from exc
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 _live_workers: "weakref.WeakSet[CommWorker]" = weakref.WeakSet()
@@ -164,6 +177,11 @@ _live_engines: "weakref.WeakSet[Any]" = weakref.WeakSet()
 def register_engine(engine: Any) -> None:
     """Let the exit handler release ``engine``'s process groups (see :func:`bagua.torch_api.comm.lifecycle._shutdown`)."""
     _live_engines.add(engine)
+
+
+def is_engine(obj: Any) -> bool:
+    """Whether ``obj`` is an engine (a ``BaguaDistributedDataParallel``) created in this process."""
+    return obj in _live_engines
 
 
 def open_engines_of(module: Any) -> list:

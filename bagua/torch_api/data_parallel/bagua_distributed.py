@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -35,6 +34,7 @@ from bagua.torch_api.data_parallel._comm_plane import (
     open_engines_of,
     private_group,
     register_engine,
+    wait_or_raise,
 )
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, as_bagua_tensor, bind_engine
@@ -175,15 +175,24 @@ class BaguaDistributedDataParallel:
         if len(set(names)) != len(names):
             raise ValueError(f"{type(self.impl).__name__}.init_tensors returned duplicate tensor names")
         self._tensor_by_name = {t.name: t for t in self._bagua_tensors}
-        self._reset_buckets()
+        self.rebucket()
         self._register_autograd_hooks()
         self._forward_pre_fn = self.impl.init_forward_pre_hook(self)
         self._backward_fn = self.impl.init_backward_hook(self)
         self._post_backward_fn = self.impl.init_post_backward_hook(self)
         self._post_step_fn = self.impl.init_post_optimizer_step_hook(self)
 
-    def _reset_buckets(self, plan: Optional[list[list[str]]] = None) -> None:
-        """(Re)build the buckets, from ``plan`` (lists of tensor names) or by the default bucket size."""
+    @property
+    def bagua_tensors(self) -> list[BaguaTensor]:
+        """The tensors the algorithm communicates (its ``init_tensors``), in order (a new list)."""
+        return list(self._bagua_tensors)
+
+    def rebucket(self, plan: Optional[list[list[str]]] = None) -> None:
+        """(Re)build the buckets, from ``plan`` (lists of tensor names, e.g. autotune's) or by the default size.
+
+        A plan is kept for later re-initializations; one that does not cover exactly :attr:`bagua_tensors` is
+        ignored (the default bucket size applies). Waits for pending communication first.
+        """
         self.wait_pending_comm_ops()
         if plan is not None:
             self._bucket_plan = plan
@@ -202,6 +211,8 @@ class BaguaDistributedDataParallel:
         # All buckets go one way, so every rank issues its collectives in the same order: either each bucket is a
         # single collective started from the caller's thread, or all run on the communication thread.
         self._direct_launch = all(b.async_launcher() is not None for b in self.bagua_buckets)
+
+    _reset_buckets = rebucket  # the name of earlier scripts (benchmarks/autotune.py)
 
     def _register_framework_hooks(self) -> None:
         self._hook_handles.append(self.module.register_forward_pre_hook(self._on_forward_pre))
@@ -331,23 +342,9 @@ class BaguaDistributedDataParallel:
         pending, self._pending = self._pending, []
         timeout = env.get_comm_timeout_s()
         for bucket, handle, done_event in pending:
-            try:
-                if isinstance(handle, Future):
-                    handle.result(timeout=timeout)
-                else:
-                    handle.wait(timeout)
-            except FutureTimeout:
-                raise RuntimeError(
-                    f"rank {dist.get_rank()}: communication of bucket {bucket.name!r} of "
-                    f"{self.bagua_module_name} ({type(self.impl).__name__}) did not finish within {timeout:.0f} s; "
-                    "a peer may be dead or stuck. Set BAGUA_COMM_TIMEOUT_S to change the limit."
-                ) from None
-            except Exception as exc:
-                raise RuntimeError(
-                    f"rank {dist.get_rank()}: communication of bucket {bucket.name!r} of {self.bagua_module_name} "
-                    f"({type(self.impl).__name__}) failed: {exc}. If a peer died or is stuck, this fails after "
-                    f"BAGUA_COMM_TIMEOUT_S={timeout:.0f} s."
-                ) from exc
+            wait_or_raise(handle.result if isinstance(handle, Future) else handle.wait, timeout,
+                          f"communication of bucket {bucket.name!r} of {self.bagua_module_name} "
+                          f"({type(self.impl).__name__})")
             if done_event is not None:
                 torch.cuda.current_stream().wait_event(done_event)
         if not self._pending:
