@@ -13,5 +13,8 @@ Words used exactly throughout the package:
 - **peer**: another rank that a decentralized algorithm exchanges weights with in a step.
 """
 
-__version__ = "1.0.0.dev0"
+from __future__ import annotations
+
+from bagua.version import __version__
+
 __all__ = ["__version__"]
