@@ -118,19 +118,28 @@ class BlockWorkspace(ErrorFeedbackResiduals):
                 "tensor and communicator, or pass workspace=None for a new one (its residuals start at zero)"
             )
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The error-feedback residuals (``residual``, ``server_residual``), copied; empty without them.
+    @property
+    def device(self) -> Optional[torch.device]:
+        """The device of the buffers; ``None`` before the first call that communicates."""
+        return None if self.send is None else self.send.device
+
+    def bytes_sent(self) -> int:
+        """Return the bytes a rank sends in one call: its n-1 peers' encoded chunks, then its own chunk to each of
+        them (counted as full chunks: the last chunks may be shorter).
+
+        Example:
+            >>> BlockWorkspace(10_000, 2, "uint8").bytes_sent()  # 2 * (8192 + 2 * 8)
+            16416
+        """
+        return 2 * (self.nranks - 1) * wire_numel(self.chunk, self.codec, self.block_size)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore the residuals of :meth:`state_dict` (an empty dict clears them).
 
         Example:
             >>> BlockWorkspace(10, 2, "uint8").state_dict()
             {}
         """
-        if self.residual is None:
-            return {}
-        return {"residual": self.residual.clone(), "server_residual": self.server_residual.clone()}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Restore the residuals of :meth:`state_dict` (an empty dict clears them)."""
         self.previous = None
         if not state:
             self.residual = self.server_residual = None

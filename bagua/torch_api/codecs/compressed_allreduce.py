@@ -110,6 +110,40 @@ class Workspace(ErrorFeedbackResiduals):
     def _new_staging(self, device: torch.device) -> torch.Tensor:
         return torch.zeros(self.nranks * self.length, dtype=torch.float32, device=device)
 
+    @property
+    def device(self) -> torch.device:
+        """The device of the buffers."""
+        return self.send[0].device
+
+    def bytes_sent(self) -> int:
+        """Return the bytes a rank sends in one call: its n-1 peers' encoded chunks, then its own chunk to each of
+        them (each segment with the chunk's header).
+
+        Example:
+            >>> Workspace(1000, 2, torch.device("cpu")).bytes_sent()  # 2 * (500 + 8)
+            1016
+        """
+        return 2 * (self.nranks - 1) * (self.length + HEADER_BYTES * len(self.segments))
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy the residuals of :meth:`state_dict` into this workspace's (an empty dict zeroes them).
+
+        Raises:
+            ValueError: the workspace keeps no residuals, or the shapes differ (another bucket, codec or rank count).
+        """
+        if self.residual is None:
+            raise ValueError("this workspace was built without error feedback: it has no residuals to load")
+        if not state:
+            self.residual.zero_()
+            self.server_residual.zero_()
+            return
+        if state["residual"].shape != self.residual.shape:
+            raise ValueError(f"error-feedback residuals of shape {tuple(state['residual'].shape)} cannot be "
+                             f"loaded into a bucket of shape {tuple(self.residual.shape)}; the checkpoint was "
+                             "saved with other buckets, another codec or another number of ranks")
+        self.residual.copy_(state["residual"])
+        self.server_residual.copy_(state["server_residual"])
+
 
 class _ChunkCodec(SegmentCodec):
     """MinMaxUInt8 with one header per rank chunk, for :func:`scatter_reduce_gather`: the chunks are the rows of

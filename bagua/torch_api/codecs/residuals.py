@@ -16,6 +16,8 @@ Example:
     [0.5, 0.5]
     >>> w.rollback(); w.residual.tolist()
     [0.0, 0.0]
+    >>> sorted(w.state_dict())
+    ['residual', 'server_residual']
     >>> _ = w.residual.fill_(1.0); w.follow_scale(1024.0); w.follow_scale(512.0); w.residual.tolist()
     [0.5, 0.5]
 """
@@ -24,14 +26,22 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 __all__ = ["ErrorFeedbackResiduals"]
 
 
 class ErrorFeedbackResiduals:
-    """``rollback``, ``scale_residuals`` and ``follow_scale`` of a workspace with ``residual``,
+    """``rollback``, ``scale_residuals``, ``follow_scale`` and ``state_dict`` of a workspace with ``residual``,
     ``server_residual`` and ``previous`` attributes (see the module docstring)."""
 
     __slots__ = ("residual_scale",)  # the gradients' scale the residuals are in units of (unset: not known yet)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The error-feedback residuals (``residual``, ``server_residual``), copied; empty without them."""
+        if self.residual is None:
+            return {}
+        return {"residual": self.residual.clone(), "server_residual": self.server_residual.clone()}
 
     def rollback(self) -> None:
         """Give the residuals back their values from before the last call (a step that was not finite); a no-op

@@ -42,17 +42,16 @@ Example:
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from bagua.torch_api.algorithms._checks import check_bool
-from bagua.torch_api.codecs.block_allreduce import BlockWorkspace, block_allreduce_inplace
-from bagua.torch_api.codecs.block import DEFAULT_BLOCK, wire_numel
-from bagua.torch_api.codecs.compressed_allreduce import SEGMENT, Workspace, all_finite, low_precision_allreduce_inplace
+from bagua.torch_api.codecs.block import DEFAULT_BLOCK
+from bagua.torch_api.codecs.compressed_allreduce import all_finite
+from bagua.torch_api.codecs.workspace import AnyWorkspace, compressed_allreduce_inplace, make_workspace
 from bagua.torch_api.ops.compressed import check_codec
-from bagua.torch_api.codecs.minmax_uint8 import HEADER_BYTES
 from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.data_parallel._comm_plane import CommJob, CommWorker
 from bagua.torch_api.comm.process_group import BaguaCommunicator
@@ -123,7 +122,7 @@ class ByteGradState:
         # else: built before torch.distributed (Lightning builds a strategy's arguments before its processes
         # rendezvous): the group is created at the first bucket, which every rank's DDP hands over first
         self._worker: Optional[CommWorker] = None  # started at the first bucket, when its device is known
-        self._workspaces: dict[int, Union[Workspace, BlockWorkspace]] = {}  # bucket index -> buffers, residuals
+        self._workspaces: dict[int, AnyWorkspace] = {}  # bucket index -> buffers, residuals
         self._layouts: dict[int, tuple[int, ...]] = {}  # bucket index -> its parameters (error feedback only)
         self._scale: Optional[float] = None  # the scaler's scale in this backward (read at its first bucket)
         self.iter = 0
@@ -165,35 +164,27 @@ class ByteGradState:
         try:
             ws = self._workspace(index, flat, layout)
             ws.follow_scale(scale)  # the residuals follow the gradients' units
-            if isinstance(ws, BlockWorkspace):
-                x = flat if flat.dtype == torch.float32 else flat.float()
-                block_allreduce_inplace(x, self._communicator, self.codec, self.block_size, True, ws,
-                                        self.error_feedback, tag=index)
-                if x is not flat:
-                    flat.copy_(x)
+            finite = compressed_allreduce_inplace(flat, ws, self._communicator, error_feedback=self.error_feedback,
+                                                  tag=index)
+            if finite is None and self.codec != "chunk":  # the block codecs' verdict is read from the result
                 finite = all_finite(flat)  # identical bytes on every rank: the same verdict everywhere
-            else:
-                finite = low_precision_allreduce_inplace(flat, self._communicator, True, ws, tag=index)
             if finite is False:
                 ws.rollback()  # the residuals would now hold this step's NaN: keep those of the step before
                 self.nonfinite_buckets += 1
             self.buckets += 1
-            self.bytes_sent += _bytes_sent(ws)
+            self.bytes_sent += ws.bytes_sent()
             future.set_result(flat)
         except BaseException as exc:  # noqa: BLE001 - DDP raises it from its wait, on the training thread
             future.set_exception(exc)
 
-    def _workspace(self, index: int, flat: torch.Tensor, layout: tuple[int, ...]) -> Union[Workspace, BlockWorkspace]:
+    def _workspace(self, index: int, flat: torch.Tensor, layout: tuple[int, ...]) -> AnyWorkspace:
         ws = self._workspaces.get(index)
         n = self._communicator.nranks()  # type: ignore[union-attr]
-        if ws is None or ws.numel != flat.numel() or self._layouts.get(index) != layout or _device(ws) not in (
+        if ws is None or ws.numel != flat.numel() or self._layouts.get(index) != layout or ws.device not in (
                 None, flat.device):
             if ws is not None and self.error_feedback:
                 logger.debug("ByteGrad hook: DDP rebuilt bucket %d; its error-feedback residuals restart", index)
-            if self.codec == "chunk":
-                ws = Workspace(flat.numel(), n, flat.device, self.error_feedback)
-            else:
-                ws = BlockWorkspace(flat.numel(), n, self.codec, self.block_size, keep_previous=self.error_feedback)
+            ws = make_workspace(self.codec, flat.numel(), n, flat.device, self.block_size, self.error_feedback)
             self._workspaces[index] = ws
             self._layouts[index] = layout
         return ws
@@ -214,20 +205,6 @@ class ByteGradState:
     def __repr__(self) -> str:
         return (f"ByteGradState(ranks={self.ranks}, error_feedback={self.error_feedback}, codec={self.codec!r}, "
                 f"iter={self.iter}, bytes_sent={self.bytes_sent})")
-
-
-def _device(ws: Union[Workspace, BlockWorkspace]) -> Optional[torch.device]:
-    """The device of the workspace's buffers (``None``: a block workspace before its first call)."""
-    return ws.send[0].device if isinstance(ws, Workspace) else (None if ws.send is None else ws.send.device)
-
-
-def _bytes_sent(ws: Union[Workspace, BlockWorkspace]) -> int:
-    """Bytes a rank sends for one bucket: its n-1 peers' encoded chunks, then its own chunk to each of them (for
-    the block codecs, a full chunk's bytes: the last chunks may be shorter)."""
-    if isinstance(ws, BlockWorkspace):
-        return 2 * (ws.nranks - 1) * wire_numel(ws.chunk, ws.codec, ws.block_size)
-    per_chunk = ws.length + HEADER_BYTES * max(1, -(-ws.length // SEGMENT))
-    return 2 * (ws.nranks - 1) * per_chunk
 
 
 def bytegrad_hook(state: ByteGradState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
