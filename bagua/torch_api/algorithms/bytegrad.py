@@ -70,7 +70,12 @@ from bagua.torch_api.codecs.compressed_allreduce import (  # noqa: F401  (the co
     all_finite,
     low_precision_allreduce_inplace,
 )
-from bagua.torch_api.ops.compressed import CODECS, centralized_low_precision_op, check_codec
+from bagua.torch_api.ops.compressed import (
+    CODECS,
+    CentralizedLowPrecisionOp,
+    centralized_low_precision_op,
+    check_codec,
+)
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 
 __all__ = [
@@ -106,7 +111,7 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         self.nonfinite, self.codec, self.block_size, self.grad_scaler = nonfinite, codec, block_size, grad_scaler
         # internal state
         self._verdicts = FiniteVerdicts()
-        self._ops: dict[str, Any] = {}  # bucket name -> its operation (which holds the residuals)
+        self._ops: dict[str, CentralizedLowPrecisionOp] = {}  # bucket name -> its op (which holds the residuals)
         self._scale: Optional[float] = None  # the scaler's scale for this step's gradients
 
     def init_forward_pre_hook(self, bagua_ddp):

@@ -35,6 +35,7 @@ from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.ops.decentralized import (
     PEER_SELECTION_MODES,
+    DecentralizedOp,
     copy_weights_from,
     copy_weights_into,
     peer_communicator,
@@ -83,7 +84,7 @@ class DecentralizedAlgorithmImpl(AlgorithmImpl):
         self.communication_interval = communication_interval
         # internal state: one peer-weight buffer per bucket; rounds done (drives shift_one's pairing)
         self._peer_weight: dict[str, torch.Tensor] = {}
-        self._ops: dict[str, Any] = {}
+        self._ops: dict[str, DecentralizedOp] = {}
         self._round = 0
         self._communicating = False
 

@@ -99,7 +99,7 @@ def check_finite_after_communication(
             "finite, and 8-bit compression spreads that to its whole chunk on every rank. Lower the learning rate, "
             "clip gradients, or use torch.amp.GradScaler with the default nonfinite='propagate'"
         )
-    for t in bagua_ddp._bagua_tensors:  # "skip": the optimizer skips parameters whose gradient is None
+    for t in bagua_ddp.bagua_tensors:  # "skip": the optimizer skips parameters whose gradient is None
         t.param.grad = None
     return False
 
