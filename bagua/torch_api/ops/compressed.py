@@ -172,8 +172,7 @@ class CentralizedLowPrecisionOp(BucketOp):
         """This rank's error-feedback residuals (``residual``, ``server_residual``); empty without them."""
         state = dict(self._loaded)
         for ws in self._workspaces.values():
-            if ws.residual is not None:
-                state = {"residual": ws.residual.clone(), "server_residual": ws.server_residual.clone()}
+            state = ws.state_dict() or state
         return state
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -184,19 +183,9 @@ class CentralizedLowPrecisionOp(BucketOp):
             self._load_residuals(ws)
 
     def _load_residuals(self, ws: _AnyWorkspace) -> None:
-        loaded = self._loaded
-        if not self.error_feedback or not loaded:
-            return
-        if isinstance(ws, BlockWorkspace):
-            ws.load_state_dict(loaded)  # checks the shapes
-        else:
-            if loaded["residual"].shape != ws.residual.shape:
-                raise ValueError(f"error-feedback residuals of shape {tuple(loaded['residual'].shape)} cannot be "
-                                 f"loaded into a bucket of shape {tuple(ws.residual.shape)}; the checkpoint was "
-                                 "saved with other buckets, another codec or another number of ranks")
-            ws.residual.copy_(loaded["residual"])
-            ws.server_residual.copy_(loaded["server_residual"])
-        loaded.clear()
+        if self.error_feedback and self._loaded:
+            ws.load_state_dict(self._loaded)  # checks the shapes
+            self._loaded.clear()
 
 
 #: The original's name of the operation's constructor (``bucket.append_op(centralized_low_precision_op(group))``).
