@@ -177,8 +177,8 @@ class BaguaBucket:
         """Note that tensor ``index`` now lives in ``tensor`` (a fresh gradient, after ``zero_grad(set_to_none=True)``)
         instead of its view of the flat buffer, and leave the copy to the first operation.
 
-        An operation whose ``accepts_pending`` is true reads such tensors through :meth:`pieces` and writes its result
-        into the flat buffer; the views then become the effective tensors again without any copy. Any other
+        An operation whose ``accepts_pending`` is true reads such tensors through :meth:`pieces` and writes its
+        result into the flat buffer; the views then become the effective tensors again without any copy. Any other
         operation sees the values copied into the flat buffer first. This saves a full copy of the bucket per step
         (about 8 ms for 64 MB on one CPU core).
         """
@@ -288,8 +288,8 @@ class BaguaBucket:
             return self.append_op(centralized_low_precision_op(group, hierarchical, average))
         raise ValueError(f"unknown compression {compression!r}; available: None, 'MinMaxUInt8'")
 
-    # The original's decentralized appenders; their ops live in decentralized_ops.py / async_ops.py, shared with the
-    # built-in algorithms (see docs/writing_algorithms.md).
+    # The original's decentralized appenders; their ops live in ops/decentralized.py and ops/async_average.py,
+    # shared with the built-in algorithms (see docs/writing_algorithms.md).
 
     def append_decentralized_synchronous_op(
         self, peer_weight: torch.Tensor, hierarchical: bool = True, peer_selection_mode: str = "all",
