@@ -114,7 +114,7 @@ def worker(args) -> None:
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
 
-    total = sum(t.numel() * 4 for t in model.bagua_ddp._bagua_tensors)
+    total = sum(t.numel() * 4 for t in model.bagua_ddp.bagua_tensors)
     space = autotune.TuneSpace.for_model(total, False, args.streams, min_bucket_2p=args.min_2p)
     if args.worker in ("sweep", "tpe"):
         ctl = autotune.attach(
@@ -148,7 +148,7 @@ def worker(args) -> None:
         for name, (size, plan_order, streams) in settings.items():
             if msg is not None:
                 msg.num_streams = streams
-            model.bagua_ddp._reset_buckets(autotune.bucket_plan(model.bagua_ddp._bagua_tensors, plan_order, size))
+            model.bagua_ddp.rebucket(autotune.bucket_plan(model.bagua_ddp.bagua_tensors, plan_order, size))
             step()
             step()
             durations = []

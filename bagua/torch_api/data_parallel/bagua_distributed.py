@@ -212,8 +212,6 @@ class BaguaDistributedDataParallel:
         # single collective started from the caller's thread, or all run on the communication thread.
         self._direct_launch = all(b.async_launcher() is not None for b in self.bagua_buckets)
 
-    _reset_buckets = rebucket  # the name of earlier scripts (benchmarks/autotune.py)
-
     def _register_framework_hooks(self) -> None:
         self._hook_handles.append(self.module.register_forward_pre_hook(self._on_forward_pre))
         for optimizer in self.bagua_optimizers:

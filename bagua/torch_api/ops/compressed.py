@@ -20,13 +20,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 from bagua.torch_api.comm import hierarchy
-from bagua.torch_api.codecs.block_allreduce import BlockWorkspace, block_allreduce_inplace
 from bagua.torch_api.codecs.block import DEFAULT_BLOCK
-from bagua.torch_api.codecs.compressed_allreduce import Workspace, all_finite, bucket_tag, low_precision_allreduce_inplace
+from bagua.torch_api.codecs.compressed_allreduce import Workspace, all_finite, bucket_tag
+from bagua.torch_api.codecs.workspace import AnyWorkspace, compressed_allreduce_inplace, make_workspace
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.ops.base import BucketOp
 
@@ -58,8 +58,6 @@ def check_codec(owner: str, codec: object, block_size: object) -> None:
         raise ValueError(f"{owner}(block_size={block_size!r}) must be a positive even integer, elements per block of "
                          f"the 'uint8'/'uint4' codecs (default {DEFAULT_BLOCK})")
 
-
-_AnyWorkspace = Union[Workspace, BlockWorkspace]
 
 
 class CentralizedLowPrecisionOp(BucketOp):
@@ -99,21 +97,18 @@ class CentralizedLowPrecisionOp(BucketOp):
         self.group, self.hierarchical, self.average = group, hierarchical, average
         self.error_feedback, self.on_finite, self.grad_scale = error_feedback, on_finite, grad_scale
         self.codec, self.block_size = codec, block_size
-        self._workspaces: dict[tuple, _AnyWorkspace] = {}
+        self._workspaces: dict[tuple, AnyWorkspace] = {}
         self._loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint, for workspaces not yet built
 
-    def _workspace_for(self, bucket: BaguaBucket, flat: torch.Tensor, c: BaguaCommunicator) -> _AnyWorkspace:
+    def _workspace_for(self, bucket: BaguaBucket, flat: torch.Tensor, c: BaguaCommunicator) -> AnyWorkspace:
         key = (bucket.name, flat.numel(), flat.dtype, flat.device, tuple(c.ranks))
         ws = self._workspaces.get(key)
         if ws is None:
             # a bucket rebuilt with another size: its old buffers (and residuals) cannot be reused
             for stale in [k for k in self._workspaces if k[0] == bucket.name]:
                 del self._workspaces[stale]
-            if self.codec == "chunk":
-                ws = Workspace(flat.numel(), c.nranks(), flat.device, error_feedback=self.error_feedback)
-            else:
-                ws = BlockWorkspace(flat.numel(), c.nranks(), self.codec, self.block_size,
-                                    keep_previous=self.error_feedback)
+            ws = make_workspace(self.codec, flat.numel(), c.nranks(), flat.device, self.block_size,
+                                self.error_feedback)
             self._workspaces[key] = ws
             self._load_residuals(ws)
         return ws
@@ -145,19 +140,14 @@ class CentralizedLowPrecisionOp(BucketOp):
         """Allreduce ``t`` over ``c`` with the codec; return the chunk codec's finite verdict (else ``None``)."""
         ws = self._workspace_for(bucket, t, c)
         ws.follow_scale(scale)
-        if isinstance(ws, BlockWorkspace):  # its verdict is read from the result: a block holding NaN/Inf
-            x = t if t.dtype == torch.float32 else t.float()  # decodes to NaN on every rank
-            block_allreduce_inplace(x, c, self.codec, self.block_size, self.average, ws, self.error_feedback, tag)
-            if x is not t:
-                t.copy_(x)
-            return None
-        # gradients not yet copied into the bucket are read where they are (no copy of the bucket)
-        direct = flat_mode and bucket.has_pending() and ws.staging is None and ws.residual is None
+        # the chunk codec reads gradients not yet copied into the bucket where they are (no copy of the bucket);
+        # the block codecs' verdict is read from the result (a block holding NaN/Inf decodes to NaN on every rank)
+        direct = (isinstance(ws, Workspace) and flat_mode and bucket.has_pending() and ws.staging is None
+                  and ws.residual is None)
         if not direct:
             bucket.materialize_pending()
-        return low_precision_allreduce_inplace(
-            t, c, self.average, ws, source=bucket.pieces if direct else None, tag=tag
-        )
+        return compressed_allreduce_inplace(t, ws, c, average=self.average, error_feedback=self.error_feedback,
+                                            tag=tag, source=bucket.pieces if direct else None)
 
     def reset(self) -> None:
         """Drop every bucket's buffers and residuals."""
@@ -182,7 +172,7 @@ class CentralizedLowPrecisionOp(BucketOp):
         for ws in self._workspaces.values():
             self._load_residuals(ws)
 
-    def _load_residuals(self, ws: _AnyWorkspace) -> None:
+    def _load_residuals(self, ws: AnyWorkspace) -> None:
         if self.error_feedback and self._loaded:
             ws.load_state_dict(self._loaded)  # checks the shapes
             self._loaded.clear()

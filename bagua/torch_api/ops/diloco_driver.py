@@ -30,6 +30,7 @@ import torch
 from bagua.torch_api import env
 from bagua.torch_api.comm import hierarchy
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.codecs.workspace import make_workspace
 from bagua.torch_api.ops.diloco import Fragment, due_fragments, split_fragments, sync_offsets
 
 __all__ = ["DiLoCoDriver", "Submit", "driver_property"]
@@ -152,11 +153,9 @@ class DiLoCoDriver:
         self.syncs += 1
 
     def _make_workspace(self, fragment: Fragment) -> object:
-        from bagua.torch_api.codecs.block_allreduce import BlockWorkspace
-
         c = self.communicator if self.group is None else hierarchy.exchange_communicator(self.group,
                                                                                           self.hierarchical)
-        return BlockWorkspace(fragment.numel, c.nranks(), self.hyper.compression, self.hyper.block_size)
+        return make_workspace(self.hyper.compression, fragment.numel, c.nranks(), block_size=self.hyper.block_size)
 
     # -- checkpoints and teardown ------------------------------------------------------------------------------
 
