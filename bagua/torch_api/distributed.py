@@ -45,6 +45,9 @@ class BaguaModule:
         algorithm: Algorithm,
         process_group: Optional[BaguaProcessGroup] = None,
         do_flatten: bool = True,
+        *,
+        device_mesh: Optional[Any] = None,
+        replicate_dim: Optional[str] = None,
     ) -> torch.nn.Module:
         """Train this module with ``algorithm`` over ``process_group``; return the same module.
 
@@ -57,6 +60,14 @@ class BaguaModule:
             process_group: the group to train over; the default group when ``None``.
             do_flatten: make effective tensors views of flat bucket buffers (faster; disable when another
                 component, such as a fused optimizer, must own the memory layout).
+            device_mesh, replicate_dim: for a model sharded with FSDP2 (``fully_shard``) over one dimension of a
+                2-D ``DeviceMesh``: run the algorithm between the replicas, over the dimension ``replicate_dim``
+                (see :mod:`bagua.torch_api.sharded`); the module then has ``bagua_sharded``, not ``bagua_ddp``.
+
+        Example:
+            >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # doctest: +SKIP
+            >>> fully_shard(model, mesh=mesh["shard"])  # doctest: +SKIP
+            >>> model.with_bagua([opt], DiLoCoAlgorithm(), device_mesh=mesh, replicate_dim="replicate")  # doctest: +SKIP
         """
         from bagua.torch_api.data_parallel.bagua_distributed import BaguaDistributedDataParallel
 
@@ -70,6 +81,15 @@ class BaguaModule:
         if getattr(self, "bagua_ddp", None) is not None:
             self.bagua_ddp.close()
             self.bagua_ddp = None
+        if getattr(self, "bagua_sharded", None) is not None:
+            self.bagua_sharded.close()
+            self.bagua_sharded = None
+        if device_mesh is not None or replicate_dim is not None:
+            return _with_sharded(self, optimizers, algorithm, process_group, device_mesh, replicate_dim)
+        if any(hasattr(p, "device_mesh") for p in self.parameters()):
+            raise ValueError("this model's parameters are DTensors (sharded with FSDP2 or tensor parallel): pass "
+                             "device_mesh=mesh and replicate_dim=... to with_bagua so that Bagua runs between the "
+                             "replicas and FSDP2 inside each")
         if not hasattr(self, "_bagua_module_name"):
             self._bagua_module_name = f"{type(self).__name__}_{id(self)}"
         self.bagua_ddp = BaguaDistributedDataParallel(
@@ -162,3 +182,18 @@ def _install() -> None:
 
 
 _install()
+
+
+def _with_sharded(module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], algorithm: Algorithm,
+                  process_group: Optional[BaguaProcessGroup], device_mesh: Any,
+                  replicate_dim: Optional[str]) -> torch.nn.Module:
+    from bagua.torch_api.sharded import ShardedReplicas
+
+    if device_mesh is None or replicate_dim is None:
+        raise ValueError("with_bagua: pass both device_mesh= (a 2-D DeviceMesh) and replicate_dim= (the name of its "
+                         "dimension Bagua communicates over)")
+    if process_group is not None:
+        raise ValueError("with_bagua: process_group= and device_mesh= exclude each other; the replicate dimension "
+                         "of the mesh says which ranks Bagua communicates with")
+    module.bagua_sharded = ShardedReplicas(module, list(optimizers), algorithm, device_mesh, replicate_dim)
+    return module

@@ -81,12 +81,27 @@ class DiLoCoDriver:
 
     # -- the moments of a step ---------------------------------------------------------------------------------
 
-    def build(self, params: list[torch.nn.Parameter]) -> None:
+    def build(self, params: list[torch.Tensor], units: Optional[Sequence[int]] = None,
+              unit_bytes: Optional[Sequence[int]] = None) -> None:
         """Split ``params`` (model order, none empty) into fragments whose global weights are their values now,
-        then load the checkpoint that waited for them, if any."""
+        then load the checkpoint that waited for them, if any.
+
+        ``units``: the number of consecutive parameters of each unit, which a fragment never cuts (the FSDP2 units
+        of a sharded replica), and ``unit_bytes`` their sizes to split by (default: of ``params``); ``None``: every
+        parameter is a unit.
+        """
         hyper = self.hyper
-        parts = split_fragments([p.numel() * p.element_size() for p in params], hyper.fragments,
-                                hyper.fragment_layout)
+        counts = list(units) if units is not None else [1] * len(params)
+        if sum(counts) != len(params):
+            raise ValueError(f"units={counts} cover {sum(counts)} parameters, not the {len(params)} given")
+        starts = [sum(counts[:u]) for u in range(len(counts))]
+        sizes = list(unit_bytes) if unit_bytes is not None else [
+            sum(p.numel() * p.element_size() for p in params[a : a + n]) for a, n in zip(starts, counts)]
+        parts = [[i for u in part for i in range(starts[u], starts[u] + counts[u])]
+                 for part in split_fragments(sizes, hyper.fragments, hyper.fragment_layout)]
+        if not all(parts):
+            raise ValueError(f"{self.owner}: with fragments={hyper.fragments}, a fragment holds no element on this "
+                             "rank (its shards of those units are empty); use fewer fragments")
         outer = hyper.outer_optimizer or functools.partial(
             torch.optim.SGD, lr=hyper.outer_lr, momentum=hyper.outer_momentum,
             nesterov=hyper.nesterov and hyper.outer_momentum > 0,

@@ -1,0 +1,181 @@
+"""Bagua's algorithms on the replicate dimension of a model sharded with FSDP2 over the other dimension.
+
+FSDP2 owns the shard dimension: it all-gathers weights for forward and backward and reduce-scatters gradients over
+the ranks of one replica. Bagua owns the replicate dimension: each rank exchanges only its own shard, with the
+ranks that hold the same shard in the other replicas, on a process group of Bagua's own.
+
+- ``gradient_allreduce``: FSDP2's all-reduce hook averages each unit's reduce-scatter output over the replicas
+  (plain HSDP's maths);
+- ``bytegrad``: the same point, through a compressed allreduce (chunk, uint8 or uint4 code), its error-feedback
+  residuals sharded like the gradient (one workspace per FSDP2 unit);
+- ``diloco`` (and streaming DiLoCo): no exchange at inner steps; every ``sync_every`` steps the pseudo-gradient of
+  this rank's shard is averaged over the replicas and the outer step runs on the shard. Global weights, outer
+  momentum and residuals are held per shard (1/S of the unsharded amount); fragments are whole FSDP2 units.
+
+Example:
+    >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # doctest: +SKIP
+    >>> for block in model.blocks: fully_shard(block, mesh=mesh["shard"])  # doctest: +SKIP
+    >>> fully_shard(model, mesh=mesh["shard"])  # doctest: +SKIP
+    >>> model.with_bagua([optimizer], DiLoCoAlgorithm(sync_every=50), device_mesh=mesh,
+    ...                  replicate_dim="replicate")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from bagua.torch_api.codecs.workspace import AnyWorkspace, compressed_allreduce_inplace, make_workspace
+from bagua.torch_api.comm.process_group import BaguaCommunicator
+from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api import communication as comm
+from bagua.torch_api.contrib._own_group import own_communicator
+from bagua.torch_api.ops.diloco_driver import DiLoCoDriver
+from bagua.torch_api.sharded.mesh import check_mesh, fsdp_units, local_shard, replica_groups
+
+__all__ = ["ShardedReplicas", "SUPPORTED"]
+
+#: the algorithms whose maths carries over to a sharded replica, by their class name
+SUPPORTED = ("GradientAllReduceAlgorithm", "ByteGradAlgorithm", "DiLoCoAlgorithm")
+
+_WHY_NOT = {
+    "DecentralizedAlgorithm": "its peers exchange whole weights every step, with a peer chosen per step; "
+                              "use DiLoCoAlgorithm, which also sends weights, every sync_every steps",
+    "LowPrecisionDecentralizedAlgorithm": "its ring exchanges whole weights with neighbour replicas",
+    "AsyncModelAverageAlgorithm": "its background thread would average weights while FSDP2 all-gathers them",
+    "QAdamAlgorithm": "its compressed stage exchanges the optimizer's momentum, which the sharded optimizer owns",
+}
+
+
+class ShardedReplicas:
+    """Run ``algorithm`` over the replicas of an FSDP2-sharded ``module`` (what ``with_bagua(..., device_mesh=...)``
+    builds; reachable as ``module.bagua_sharded``).
+
+    Building it is collective over every rank of the mesh (it creates one process group per replica group) and
+    broadcasts each shard from the first replica, so the replicas start equal.
+
+    Args:
+        module: the model, ``fully_shard``-ed over the shard dimension of ``device_mesh`` only.
+        optimizers: the optimizers stepping its (sharded) parameters; DiLoCo counts the steps of the first.
+        algorithm: a :class:`~bagua.torch_api.algorithms.gradient_allreduce.GradientAllReduceAlgorithm`,
+            :class:`~bagua.torch_api.algorithms.bytegrad.ByteGradAlgorithm` or
+            :class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithm`.
+        device_mesh: a 2-D ``DeviceMesh`` with named dimensions.
+        replicate_dim: the name of the dimension Bagua communicates over.
+    """
+
+    def __init__(self, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], algorithm: Any,
+                 device_mesh: Any, replicate_dim: str) -> None:
+        name = type(algorithm).__name__
+        if name not in SUPPORTED:
+            why = _WHY_NOT.get(name, "it is not written for sharded replicas")
+            raise ValueError(f"{name} does not run on sharded replicas (device_mesh=...): {why}. Supported there: "
+                             f"{', '.join(SUPPORTED)}")
+        if not optimizers:
+            raise ValueError("with_bagua(optimizers, ..., device_mesh=...) needs the optimizer(s) of the model")
+        index, shard_dim = check_mesh(device_mesh, replicate_dim)
+        # user settings
+        self.module, self.algorithm = module, algorithm
+        self.optimizer = optimizers[0]
+        # the replicas: a communicator of Bagua's own over this rank's replica group (collective: every rank
+        # creates every group, in mesh order)
+        rank = dist.get_rank()
+        groups = replica_groups(device_mesh.mesh, index)
+        mine = [g for g in groups if rank in g][0]
+        for ranks in groups:
+            c = own_communicator(ranks)
+            if ranks == mine:
+                self.communicator: BaguaCommunicator = c
+        shard_ranks = device_mesh[shard_dim].mesh.flatten().tolist()
+        # this rank's shards, by FSDP2 unit (model order)
+        self.units = [[(local_shard(n, p, shard_ranks), p.numel() * p.element_size()) for n, p in unit]
+                      for unit in fsdp_units(module)]
+        self._broadcast_shards()
+        # per-algorithm state
+        self._workspaces: dict[int, AnyWorkspace] = {}
+        self.driver: Optional[DiLoCoDriver] = None
+        self.steps = 0
+        self._handles: list[Any] = []
+        self._install()
+
+    # -- set-up ------------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def _broadcast_shards(self) -> None:
+        root = 0  # the communicator's first rank: the first replica
+        for unit in self.units:
+            for shard, _ in unit:
+                if shard.numel():
+                    comm.broadcast(shard, root, self.communicator)
+
+    def _install(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp_modules = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+        for i, m in enumerate(fsdp_modules):
+            m.set_all_reduce_hook(self._hook_for(i))
+        name = type(self.algorithm).__name__
+        if name == "DiLoCoAlgorithm":
+            self.driver = DiLoCoDriver(self.algorithm, "DiLoCo (sharded)", communicator=self.communicator)
+            if self.algorithm.warmup_steps == 0:
+                self._build_fragments()
+            self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+
+    def _build_fragments(self) -> None:
+        """Fragments of whole FSDP2 units, split by the units' full sizes: every shard rank cuts the model at the
+        same units, as the unsharded model would be cut when its fragments end at unit boundaries."""
+        assert self.driver is not None
+        locals_ = [[s for s, _ in unit if s.numel()] for unit in self.units]
+        self.driver.build([s for unit in locals_ for s in unit], units=[len(u) for u in locals_],
+                          unit_bytes=[sum(b for _, b in unit) for unit in self.units])
+
+    # -- the moments of a step ---------------------------------------------------------------------------------
+
+    def _hook_for(self, unit: int) -> Callable[[torch.Tensor], None]:
+        def hook(reduce_output: torch.Tensor) -> None:
+            self._exchange_gradient(unit, reduce_output)
+
+        return hook
+
+    def _exchange_gradient(self, unit: int, flat: torch.Tensor) -> None:
+        """Average one unit's reduce-scatter output over the replicas, as the algorithm says."""
+        name = type(self.algorithm).__name__
+        if name == "DiLoCoAlgorithm" and self.steps >= self.algorithm.warmup_steps:
+            return  # inner steps: each replica trains on its own gradients
+        if name == "ByteGradAlgorithm":
+            ws = self._workspaces.get(unit)
+            if ws is None:
+                a = self.algorithm
+                ws = self._workspaces[unit] = make_workspace(a.codec, flat.numel(), self.communicator.nranks(),
+                                                             flat.device, a.block_size, a.error_feedback)
+            compressed_allreduce_inplace(flat, ws, self.communicator, average=self.algorithm.average,
+                                         error_feedback=self.algorithm.error_feedback, tag=unit)
+            return
+        comm.allreduce_inplace(flat, ReduceOp.AVG, self.communicator)
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        assert self.driver is not None
+        warm = self.steps < self.algorithm.warmup_steps
+        self.steps += 1
+        self.driver.count_step(warm)
+        if self.steps == self.algorithm.warmup_steps:
+            self._build_fragments()  # the inner phases start from the weights the warm-up reached
+        if not warm:
+            self.driver.end_steps()
+
+    # -- teardown ----------------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop: remove the optimizer hook and FSDP2's all-reduce hooks, finish DiLoCo's exchanges in flight."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.set_all_reduce_hook(lambda _: None)
+        if self.driver is not None:
+            self.driver.close(strict=False)
