@@ -7,41 +7,18 @@ Example:
     >>> model = model.with_bagua([optimizer], gradient_allreduce.GradientAllReduceAlgorithm())  # doctest: +SKIP
 """
 
+from __future__ import annotations
+
 from bagua.torch_api import _log, algorithms, checkpoint, communication, contrib, data_parallel, env, moe, utils
-from bagua.torch_api.communication import (
-    ReduceOp,
-    allgather,
-    allgather_inplace,
-    allreduce,
-    allreduce_inplace,
-    alltoall,
-    alltoall_inplace,
-    alltoall_v,
-    alltoall_v_inplace,
-    barrier,
-    broadcast,
-    gather,
-    gather_inplace,
-    get_backend,
-    init_process_group,
-    recv,
-    reduce,
-    reduce_inplace,
-    reduce_scatter,
-    reduce_scatter_inplace,
-    scatter,
-    scatter_inplace,
-    send,
-)
+from bagua.torch_api.comm import collectives as _collectives
+from bagua.torch_api.comm.collectives import *  # noqa: F403 - the collectives, named once in collectives.__all__
+from bagua.torch_api.communication import ReduceOp, get_backend, init_process_group
 from bagua.torch_api.distributed import BaguaModule
 from bagua.torch_api.env import get_local_rank, get_local_size, get_node_rank, get_rank, get_world_size
 from bagua.torch_api.tensor import BaguaTensor
 
 __all__ = [
-    "get_backend", "init_process_group", "send", "recv", "allgather", "allgather_inplace", "allreduce",
-    "allreduce_inplace", "alltoall", "alltoall_inplace", "alltoall_v", "alltoall_v_inplace", "barrier",
-    "broadcast", "gather", "gather_inplace", "reduce", "reduce_inplace", "reduce_scatter",
-    "reduce_scatter_inplace", "scatter", "scatter_inplace", "ReduceOp", "BaguaModule", "BaguaTensor",
+    "get_backend", "init_process_group", *_collectives.__all__, "ReduceOp", "BaguaModule", "BaguaTensor",
     "get_local_rank", "get_local_size", "get_node_rank", "get_rank", "get_world_size",
     "algorithms", "checkpoint", "communication", "contrib", "data_parallel", "env", "moe", "utils",
 ]

@@ -13,34 +13,12 @@ Example:
 """
 
 from __future__ import annotations
+
 from bagua.torch_api.comm import coalesced as _coalesced, lifecycle as _lifecycle
 from bagua.torch_api.comm.coalesced import allreduce_coalesced_inplace, broadcast_coalesced, init_bagua_communicator
-from bagua.torch_api.comm.collectives import (
-    Comm,
-    all_gather_tensor,
-    allgather,
-    allgather_inplace,
-    allreduce,
-    allreduce_inplace,
-    alltoall,
-    alltoall_inplace,
-    alltoall_v,
-    alltoall_v_inplace,
-    barrier,
-    broadcast,
-    broadcast_object,
-    gather,
-    gather_inplace,
-    recv,
-    reduce,
-    reduce_inplace,
-    reduce_scatter,
-    reduce_scatter_inplace,
-    reduce_scatter_tensor,
-    scatter,
-    scatter_inplace,
-    send,
-)
+from bagua.torch_api.comm import collectives as _collectives
+from bagua.torch_api.comm.collectives import *  # noqa: F403 - the collectives, named once in collectives.__all__
+from bagua.torch_api.comm.collectives import Comm, all_gather_tensor, reduce_scatter_tensor
 from bagua.torch_api.comm.lifecycle import (  # the original's import path for these
     from_torch_group,
     get_backend,
@@ -56,35 +34,8 @@ from bagua.torch_api.comm.reduce_op import ReduceOp
 # helpers in coalesced.py, the default group's start and end in lifecycle.py; this module, the original's import
 # path, re-exports them.
 __all__ = [
-    "ReduceOp",
-    "init_process_group",
-    "is_initialized",
-    "new_group",
-    "from_torch_group",
-    "get_backend",
-    "send",
-    "recv",
-    "broadcast",
-    "broadcast_object",
-    "reduce",
-    "reduce_inplace",
-    "allreduce",
-    "allreduce_inplace",
-    "allgather",
-    "allgather_inplace",
-    "gather",
-    "gather_inplace",
-    "scatter",
-    "scatter_inplace",
-    "reduce_scatter",
-    "reduce_scatter_inplace",
-    "alltoall",
-    "alltoall_inplace",
-    "alltoall_v",
-    "alltoall_v_inplace",
-    "barrier",
-    "BaguaProcessGroup",
-    "on_shutdown",
+    "ReduceOp", "init_process_group", "is_initialized", "new_group", "from_torch_group", "get_backend",
+    *_collectives.__all__, "BaguaProcessGroup", "on_shutdown",
 ]
 __all__ += ["broadcast_coalesced", "allreduce_coalesced_inplace", "init_bagua_communicator"]
 # public names the module always had without listing them

@@ -6,7 +6,7 @@ Part of :mod:`bagua.torch_api.communication`, which re-exports these names.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -52,6 +52,19 @@ def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += t.numel()
 
 
+def _on_one_buffer(
+    tensors: list[torch.Tensor], comm: Comm, what: str, collective: Callable[[torch.Tensor, BaguaCommunicator], None]
+) -> None:
+    """Run ``collective(flat, communicator)`` on the tensors packed into one flat buffer, then copy them back."""
+    c = _resolve(comm)
+    if not _active(c):
+        return
+    tensors = list(tensors)
+    flat = _coalesced_buffer(tensors, what)
+    collective(flat, c)
+    _copy_back(flat, tensors)
+
+
 def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, comm: Comm = None) -> None:
     """Broadcast several tensors from rank ``src`` as one flat message, in place.
 
@@ -63,12 +76,7 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0, comm: Comm = 
     Example:
         >>> bagua.communication.broadcast_coalesced([w, b], src=0)  # doctest: +SKIP
     """
-    c = _resolve(comm)
-    if not _active(c):
-        return
-    flat = _coalesced_buffer(list(tensors), "broadcast_coalesced")
-    broadcast(flat, src, c)
-    _copy_back(flat, list(tensors))
+    _on_one_buffer(tensors, comm, "broadcast_coalesced", lambda flat, c: broadcast(flat, src, c))
 
 
 def allreduce_coalesced_inplace(tensors: list[torch.Tensor], op: ReduceOp = ReduceOp.SUM, comm: Comm = None) -> None:
@@ -82,12 +90,7 @@ def allreduce_coalesced_inplace(tensors: list[torch.Tensor], op: ReduceOp = Redu
     Example:
         >>> bagua.communication.allreduce_coalesced_inplace([g1, g2], op=bagua.ReduceOp.AVG)  # doctest: +SKIP
     """
-    c = _resolve(comm)
-    if not _active(c):
-        return
-    flat = _coalesced_buffer(list(tensors), "allreduce_coalesced_inplace")
-    allreduce_inplace(flat, op, c)
-    _copy_back(flat, list(tensors))
+    _on_one_buffer(tensors, comm, "allreduce_coalesced_inplace", lambda flat, c: allreduce_inplace(flat, op, c))
 
 
 def init_bagua_communicator(model_name: str = "", stream: Optional[Any] = None) -> BaguaCommunicator:

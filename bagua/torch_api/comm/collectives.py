@@ -8,7 +8,7 @@ name here.
 from __future__ import annotations
 
 import json
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -17,28 +17,11 @@ from bagua.torch_api.comm.lifecycle import _device_for_backend, _get_default_gro
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.comm.reduce_op import ReduceOp, _finish_avg, _reduce_op
 
+# The one list of the collectives' names: communication.py and the package's __init__ export these.
 __all__ = [
-    "send",
-    "recv",
-    "broadcast",
-    "broadcast_object",
-    "reduce",
-    "reduce_inplace",
-    "allreduce",
-    "allreduce_inplace",
-    "allgather",
-    "allgather_inplace",
-    "gather",
-    "gather_inplace",
-    "scatter",
-    "scatter_inplace",
-    "reduce_scatter",
-    "reduce_scatter_inplace",
-    "alltoall",
-    "alltoall_inplace",
-    "alltoall_v",
-    "alltoall_v_inplace",
-    "barrier",
+    "send", "recv", "broadcast", "broadcast_object", "reduce", "reduce_inplace", "allreduce", "allreduce_inplace",
+    "allgather", "allgather_inplace", "gather", "gather_inplace", "scatter", "scatter_inplace", "reduce_scatter",
+    "reduce_scatter_inplace", "alltoall", "alltoall_inplace", "alltoall_v", "alltoall_v_inplace", "barrier",
 ]
 
 Comm = Union[BaguaCommunicator, BaguaProcessGroup, dist.ProcessGroup, None]
@@ -65,6 +48,40 @@ def _resolve(comm: Comm) -> BaguaCommunicator:
 def _active(c: BaguaCommunicator) -> bool:
     # A non-member, or a communicator of one rank, has nothing to exchange.
     return c.group is not None and c.nranks() > 1
+
+
+def _exchanging(
+    comm: Comm, send_tensor: torch.Tensor, recv_tensor: torch.Tensor,
+    check: Optional[Callable[[BaguaCommunicator], None]] = None,
+) -> Optional[BaguaCommunicator]:
+    """The communicator of an out-of-place collective, or ``None`` where nothing is left to exchange: a non-member
+    returns at once, and a communicator of one rank copies ``send_tensor`` into ``recv_tensor``. ``check``
+    validates the arguments of a member first."""
+    c = _resolve(comm)
+    if c.group is None:
+        return None
+    if check is not None:
+        check(c)
+    if not _active(c):
+        recv_tensor.view(-1).copy_(send_tensor.view(-1))
+        return None
+    return c
+
+
+def _copied(comm: Comm, send_tensor: torch.Tensor, recv_tensor: torch.Tensor) -> Optional[BaguaCommunicator]:
+    """The communicator of a reduction into ``recv_tensor``, which then holds ``send_tensor``'s data; ``None``
+    on a non-member, which returns at once."""
+    c = _resolve(comm)
+    if c.group is None:
+        return None
+    if recv_tensor is not send_tensor:
+        recv_tensor.copy_(send_tensor)
+    return c
+
+
+def _chunk(flat: torch.Tensor, i: int, count: int) -> torch.Tensor:
+    """Chunk ``i`` of ``count`` elements of a flat tensor (a view)."""
+    return flat[i * count : (i + 1) * count]
 
 
 def send(tensor: torch.Tensor, dst: int, comm: Comm = None) -> None:
@@ -115,12 +132,9 @@ def reduce(
     send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm: Comm = None
 ) -> None:
     """Reduce ``send_tensor`` of every rank into ``recv_tensor`` on rank ``dst``."""
-    c = _resolve(comm)
-    if c.group is None:
-        return
-    if recv_tensor is not send_tensor:
-        recv_tensor.copy_(send_tensor)
-    reduce_inplace(recv_tensor, dst, op, c)
+    c = _copied(comm, send_tensor, recv_tensor)
+    if c is not None:
+        reduce_inplace(recv_tensor, dst, op, c)
 
 
 def reduce_inplace(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm: Comm = None) -> None:
@@ -137,12 +151,9 @@ def allreduce(
     send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Comm = None
 ) -> None:
     """Reduce ``send_tensor`` over all ranks into ``recv_tensor`` on every rank."""
-    c = _resolve(comm)
-    if c.group is None:
-        return
-    if recv_tensor is not send_tensor:
-        recv_tensor.copy_(send_tensor)
-    allreduce_inplace(recv_tensor, op, c)
+    c = _copied(comm, send_tensor, recv_tensor)
+    if c is not None:
+        allreduce_inplace(recv_tensor, op, c)
 
 
 def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Comm = None) -> None:
@@ -159,14 +170,14 @@ def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: C
 
 def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Comm = None) -> None:
     """Gather ``send_tensor`` of every rank into the flat ``recv_tensor`` (``nranks * numel`` elements)."""
-    c = _resolve(comm)
-    if c.group is None:
-        return
-    n = send_tensor.numel()
-    if recv_tensor.numel() != n * c.nranks():
-        raise ValueError(f"allgather: recv_tensor needs {n * c.nranks()} elements, has {recv_tensor.numel()}")
-    if not _active(c):
-        recv_tensor.view(-1).copy_(send_tensor.view(-1))
+
+    def check(c: BaguaCommunicator) -> None:
+        n = send_tensor.numel()
+        if recv_tensor.numel() != n * c.nranks():
+            raise ValueError(f"allgather: recv_tensor needs {n * c.nranks()} elements, has {recv_tensor.numel()}")
+
+    c = _exchanging(comm, send_tensor, recv_tensor, check)
+    if c is None:
         return
     all_gather_tensor(recv_tensor.view(-1), send_tensor.contiguous().view(-1), group=c.group)
 
@@ -178,17 +189,14 @@ def allgather_inplace(tensor: torch.Tensor, comm: Comm = None) -> None:
         return
     chunk = tensor.numel() // c.nranks()
     flat = tensor.view(-1)
-    mine = flat[c.rank() * chunk : (c.rank() + 1) * chunk].clone()
+    mine = _chunk(flat, c.rank(), chunk).clone()
     all_gather_tensor(flat, mine, group=c.group)
 
 
 def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm: Comm = None) -> None:
     """Gather ``send_tensor`` of every rank into the flat ``recv_tensor`` on rank ``dst``."""
-    c = _resolve(comm)
-    if c.group is None:
-        return
-    if not _active(c):
-        recv_tensor.view(-1).copy_(send_tensor.view(-1))
+    c = _exchanging(comm, send_tensor, recv_tensor)
+    if c is None:
         return
     chunks = list(recv_tensor.view(-1).chunk(c.nranks())) if c.rank() == dst else None
     dist.gather(send_tensor.contiguous().view(-1), chunks, dst=c.global_rank(dst), group=c.group)
@@ -200,18 +208,15 @@ def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm: Comm = None
     if not _active(c):
         return
     flat = tensor.view(-1)
-    mine = flat[c.rank() * count : (c.rank() + 1) * count].clone()
-    chunks = [flat[i * count : (i + 1) * count] for i in range(c.nranks())] if c.rank() == dst else None
+    mine = _chunk(flat, c.rank(), count).clone()
+    chunks = [_chunk(flat, i, count) for i in range(c.nranks())] if c.rank() == dst else None
     dist.gather(mine, chunks, dst=c.global_rank(dst), group=c.group)
 
 
 def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm: Comm = None) -> None:
     """Scatter the flat ``send_tensor`` of rank ``src``: rank ``r`` receives chunk ``r`` into ``recv_tensor``."""
-    c = _resolve(comm)
-    if c.group is None:
-        return
-    if not _active(c):
-        recv_tensor.view(-1).copy_(send_tensor.view(-1))
+    c = _exchanging(comm, send_tensor, recv_tensor)
+    if c is None:
         return
     chunks = [t.contiguous() for t in send_tensor.view(-1).chunk(c.nranks())] if c.rank() == src else None
     out = recv_tensor.view(-1)
@@ -224,8 +229,8 @@ def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm: Comm = Non
     if not _active(c):
         return
     flat = tensor.view(-1)
-    chunks = [flat[i * count : (i + 1) * count].clone() for i in range(c.nranks())] if c.rank() == src else None
-    out = flat[c.rank() * count : (c.rank() + 1) * count]
+    chunks = [_chunk(flat, i, count).clone() for i in range(c.nranks())] if c.rank() == src else None
+    out = _chunk(flat, c.rank(), count)
     dist.scatter(out, chunks, src=c.global_rank(src), group=c.group)
 
 
@@ -233,11 +238,8 @@ def reduce_scatter(
     send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Comm = None
 ) -> None:
     """Reduce ``send_tensor`` (``nranks * recv.numel()`` elements) and give chunk ``r`` to rank ``r``."""
-    c = _resolve(comm)
-    if c.group is None:
-        return
-    if not _active(c):
-        recv_tensor.view(-1).copy_(send_tensor.view(-1))
+    c = _exchanging(comm, send_tensor, recv_tensor)
+    if c is None:
         return
     out = recv_tensor.view(-1)
     reduce_scatter_tensor(out, send_tensor.contiguous().view(-1), op=_reduce_op(op), group=c.group)
@@ -251,7 +253,7 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
         return
     flat = tensor.view(-1)
     chunk = flat.numel() // c.nranks()
-    out = flat[c.rank() * chunk : (c.rank() + 1) * chunk]
+    out = _chunk(flat, c.rank(), chunk)
     result = torch.empty_like(out)
     reduce_scatter_tensor(result, flat.clone(), op=_reduce_op(op), group=c.group)
     out.copy_(result)
@@ -260,13 +262,13 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
 
 def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Comm = None) -> None:
     """All-to-all: chunk ``j`` of rank ``i``'s ``send_tensor`` lands in chunk ``i`` of rank ``j``'s ``recv_tensor``."""
-    c = _resolve(comm)
-    if c.group is None:
-        return
-    if send_tensor.numel() % c.nranks():
-        raise ValueError(f"alltoall: {send_tensor.numel()} elements do not divide into {c.nranks()} ranks")
-    if not _active(c):
-        recv_tensor.view(-1).copy_(send_tensor.view(-1))
+
+    def check(c: BaguaCommunicator) -> None:
+        if send_tensor.numel() % c.nranks():
+            raise ValueError(f"alltoall: {send_tensor.numel()} elements do not divide into {c.nranks()} ranks")
+
+    c = _exchanging(comm, send_tensor, recv_tensor, check)
+    if c is None:
         return
     dist.all_to_all_single(recv_tensor.view(-1), send_tensor.contiguous().view(-1), group=c.group)
 

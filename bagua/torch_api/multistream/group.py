@@ -13,6 +13,7 @@ import torch.distributed as dist
 from bagua.torch_api import communication
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
+from bagua.torch_api.comm.reduce_op import _finish_avg, _reduce_op
 
 if TYPE_CHECKING:
     from bagua.torch_api.multistream.choice import StreamChooser
@@ -131,13 +132,12 @@ class MultiStreamGroup:
             return tensor
         for work in self.allreduce_async(tensor, op):
             work.wait()
-        _finish(tensor, op, len(self.ranks))
+        _finish_avg(tensor, op, len(self.ranks))
         return tensor
 
     def allreduce_async(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> list[Any]:
         """Launch the pieces' allreduces (SUM for ``AVG``; the caller divides) and return their works."""
-        torch_op = dist.ReduceOp.SUM if ReduceOp(op) == ReduceOp.AVG else getattr(dist.ReduceOp, ReduceOp(op).name)
-        return self._launch(tensor, torch_op)
+        return self._launch(tensor, _reduce_op(op))
 
     def _launch(self, tensor: torch.Tensor, torch_op: Any) -> list[Any]:
         pieces = self.pieces(tensor)
@@ -149,10 +149,3 @@ class MultiStreamGroup:
         return (f"MultiStreamGroup(ranks={self.ranks}, num_streams={self._num_streams}/{self.max_streams}, "
                 f"min_chunk_bytes={self.min_chunk_bytes})")
 
-
-def _finish(tensor: torch.Tensor, op: ReduceOp, n: int) -> None:
-    if ReduceOp(op) == ReduceOp.AVG:
-        if tensor.is_floating_point() or tensor.is_complex():
-            tensor.div_(n)
-        else:
-            tensor.floor_divide_(n)
