@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Mapping, MutableMapping, Optional
+from typing import Callable, Mapping, MutableMapping, Optional, TypeVar
 
 __all__ = [
     "get_world_size", "get_rank", "get_local_rank", "get_local_size", "get_node_rank", "get_default_bucket_size",
@@ -25,6 +25,8 @@ __all__ = [
     "get_float", "get_bool", "environ_snapshot", "set_default", "is_slurm_job", "slurm_first_host",
     "slurm_master_port", "slurm_tasks_on_node", "slurm_process_env", "get_ssh_port", "get_node_domain_names",
 ]
+
+_T = TypeVar("_T")
 
 #: Allocator settings that make large, short-lived CPU tensors cheap on Linux: without them every fresh 100 MB
 #: tensor costs a fresh mmap and its page faults (measured 50 ms vs 7 ms per 25M-float ``zeros``).
@@ -41,26 +43,24 @@ def get_str(name: str, default: str = "") -> str:
     return default if value is None or value == "" else value
 
 
-def get_int(name: str, default: int) -> int:
-    """Return ``name`` as an int; raise ``ValueError`` naming the variable when it is not an integer."""
+def _parse(name: str, default: _T, convert: Callable[[str], _T], kind: str) -> _T:
     value = get_str(name)
     if value == "":
         return default
     try:
-        return int(value)
+        return convert(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+        raise ValueError(f"environment variable {name}={value!r} must be {kind}") from None
+
+
+def get_int(name: str, default: int) -> int:
+    """Return ``name`` as an int; raise ``ValueError`` naming the variable when it is not an integer."""
+    return _parse(name, default, int, "an integer")
 
 
 def get_float(name: str, default: float) -> float:
     """Return ``name`` as a float; raise ``ValueError`` naming the variable when it is not a number."""
-    value = get_str(name)
-    if value == "":
-        return default
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} must be a number") from None
+    return _parse(name, default, float, "a number")
 
 
 def get_bool(name: str, default: bool = False) -> bool:
@@ -86,24 +86,35 @@ def set_default(environ: MutableMapping[str, str], values: Mapping[str, str]) ->
         environ.setdefault(key, value)
 
 
-def get_world_size() -> int:
-    """Number of processes in the job (``WORLD_SIZE``, default 1)."""
-    return get_int("WORLD_SIZE", 1)
+def _variable(read: Callable[[str, _T], _T], variable: str, default: _T, what: str) -> Callable[[], _T]:
+    """Make the getter of one variable, ``read(variable, default)``; the plain getters below are a table of them
+    (their ``__name__`` is set at the end of the module)."""
+
+    def getter() -> _T:
+        return read(variable, default)
+
+    getter.__doc__ = f"Return the {what} (``{variable}``, default {default!r})."
+    getter.__annotations__ = {"return": type(default).__name__}
+    getter._env_variable = variable  # type: ignore[attr-defined]
+    return getter
 
 
-def get_rank() -> int:
-    """Global rank of this process (``RANK``, default 0)."""
-    return get_int("RANK", 0)
-
-
-def get_local_rank() -> int:
-    """Rank of this process on its node (``LOCAL_RANK``, default 0)."""
-    return get_int("LOCAL_RANK", 0)
-
-
-def get_local_size() -> int:
-    """Number of processes on this node (``LOCAL_WORLD_SIZE``, default 1)."""
-    return get_int("LOCAL_WORLD_SIZE", 1)
+get_world_size = _variable(get_int, "WORLD_SIZE", 1, "number of processes in the job")
+get_rank = _variable(get_int, "RANK", 0, "global rank of this process")
+get_local_rank = _variable(get_int, "LOCAL_RANK", 0, "rank of this process on its node")
+get_local_size = _variable(get_int, "LOCAL_WORLD_SIZE", 1, "number of processes on this node")
+get_master_addr = _variable(get_str, "MASTER_ADDR", "127.0.0.1", "address of the rendezvous host")
+get_master_port = _variable(get_int, "MASTER_PORT", 29500, "port of the rendezvous store")
+get_bagua_service_port = _variable(get_int, "BAGUA_SERVICE_PORT", -1,
+                                   "original's service port, kept for its launcher flags (Bagua runs no service)")
+get_autotune_level = _variable(get_int, "BAGUA_AUTOTUNE", 0, "autotune level (0: off)")
+get_autotune_max_samples = _variable(get_int, "BAGUA_AUTOTUNE_MAX_SAMPLES", 60, "number of trials the tuner may run")
+get_autotune_sampling_confidence_time_s = _variable(get_float, "BAGUA_AUTOTUNE_SAMPLING_CONFIDENCE_TIME_S", 5.0,
+                                                    "seconds of training measured per trial")
+get_autotune_warmup_time_s = _variable(get_float, "BAGUA_AUTOTUNE_WARMUP_TIME_S", 30.0,
+                                       "seconds of training before tuning starts")
+get_is_output_autotune_log = _variable(get_bool, "BAGUA_IS_OUTPUT_AUTOTUNE_LOG", False,
+                                       "switch that writes the autotune CSV log")
 
 
 def get_node_rank() -> int:
@@ -124,16 +135,6 @@ def get_default_bucket_size() -> int:
     return size
 
 
-def get_master_addr() -> str:
-    """Address of the rendezvous host (``MASTER_ADDR``, default ``127.0.0.1``)."""
-    return get_str("MASTER_ADDR", "127.0.0.1")
-
-
-def get_master_port() -> int:
-    """Port of the rendezvous store (``MASTER_PORT``, default 29500)."""
-    return get_int("MASTER_PORT", 29500)
-
-
 def node_address() -> str:
     """The address on which peers reach this node's servers: loopback for a single-node job or a loopback master,
     else the local address that routes to ``MASTER_ADDR`` (a UDP ``connect`` sends nothing; it picks the route)."""
@@ -151,39 +152,9 @@ def node_address() -> str:
         return probe.getsockname()[0]
 
 
-def get_bagua_service_port() -> int:
-    """Kept for compatibility with the original launcher flags; Bagua runs no service (default -1)."""
-    return get_int("BAGUA_SERVICE_PORT", -1)
-
-
 def is_report_metrics_switch_on() -> bool:
     """Whether ``BAGUA_REPORT_METRICS=1``."""
     return get_int("BAGUA_REPORT_METRICS", 0) == 1
-
-
-def get_autotune_level() -> int:
-    """Autotune level (``BAGUA_AUTOTUNE``, default 0 = off)."""
-    return get_int("BAGUA_AUTOTUNE", 0)
-
-
-def get_autotune_max_samples() -> int:
-    """Trials the tuner may run (``BAGUA_AUTOTUNE_MAX_SAMPLES``, default 60)."""
-    return get_int("BAGUA_AUTOTUNE_MAX_SAMPLES", 60)
-
-
-def get_autotune_sampling_confidence_time_s() -> float:
-    """Seconds of training measured per trial (``BAGUA_AUTOTUNE_SAMPLING_CONFIDENCE_TIME_S``, default 5)."""
-    return get_float("BAGUA_AUTOTUNE_SAMPLING_CONFIDENCE_TIME_S", 5.0)
-
-
-def get_autotune_warmup_time_s() -> float:
-    """Seconds of training before tuning starts (``BAGUA_AUTOTUNE_WARMUP_TIME_S``, default 30)."""
-    return get_float("BAGUA_AUTOTUNE_WARMUP_TIME_S", 30.0)
-
-
-def get_is_output_autotune_log() -> bool:
-    """Whether to write the autotune CSV log (``BAGUA_IS_OUTPUT_AUTOTUNE_LOG``)."""
-    return get_bool("BAGUA_IS_OUTPUT_AUTOTUNE_LOG", False)
 
 
 def get_autotune_server_wait_time() -> int:
@@ -384,3 +355,10 @@ def get_ssh_port() -> Optional[int]:
 def get_node_domain_names() -> str:
     """Comma-separated hosts for ``baguarun`` when ``--host_list`` is not given (``BAGUA_NODE_DOMAIN_NAMES``)."""
     return get_str("BAGUA_NODE_DOMAIN_NAMES")
+
+
+# The table's getters take the names they are bound to, for help() and tracebacks.
+for _name, _getter in list(globals().items()):
+    if hasattr(_getter, "_env_variable"):
+        _getter.__name__ = _getter.__qualname__ = _name
+del _name, _getter
