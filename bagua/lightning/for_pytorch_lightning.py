@@ -1,4 +1,4 @@
-"""``BaguaStrategy`` and ``BaguaEnvironment`` for ``pytorch_lightning.Trainer`` (``pytorch_lightning`` + ``lightning_fabric``).
+"""``BaguaStrategy`` and ``BaguaEnvironment`` for ``pytorch_lightning.Trainer`` (with ``lightning_fabric``).
 
 Example:
     >>> from bagua.lightning.for_pytorch_lightning import BaguaStrategy  # doctest: +SKIP
@@ -6,20 +6,8 @@ Example:
 
 from __future__ import annotations
 
-from bagua.lightning import _api
-from bagua.lightning.environment import BaguaEnvironmentBase
-from bagua.lightning.strategy import BaguaStrategyBase
+from bagua.lightning._classes import build
 
 __all__ = ["BaguaStrategy", "BaguaEnvironment"]
 
-_lightning = _api.load("pytorch_lightning")
-
-
-class BaguaEnvironment(BaguaEnvironmentBase, _lightning.ClusterEnvironment):
-    __doc__ = BaguaEnvironmentBase.__doc__
-
-
-class BaguaStrategy(BaguaStrategyBase, _lightning.DDPStrategy):
-    __doc__ = BaguaStrategyBase.__doc__
-    _api = _lightning
-    _environment_cls = BaguaEnvironment
+BaguaEnvironment, BaguaStrategy = build("pytorch_lightning", __name__)
