@@ -219,11 +219,8 @@ class TensorMethods:
         return getattr(self, "_bagua_tensor", None) is not None
 
     def ensure_bagua_tensor(
-        self: torch.Tensor,
-        name: Optional[str] = None,
-        module_name: Optional[str] = None,
-        getter_closure: Optional[Getter] = None,
-        setter_closure: Optional[Setter] = None,
+        self: torch.Tensor, name: Optional[str] = None, module_name: Optional[str] = None,
+        getter_closure: Optional[Getter] = None, setter_closure: Optional[Setter] = None,
     ) -> torch.Tensor:
         """Register this tensor in place as a Bagua tensor and return it.
 
@@ -251,11 +248,8 @@ class TensorMethods:
         return self
 
     def to_bagua_tensor(
-        self: torch.Tensor,
-        name: Optional[str] = None,
-        module_name: Optional[str] = None,
-        getter_closure: Optional[Getter] = None,
-        setter_closure: Optional[Setter] = None,
+        self: torch.Tensor, name: Optional[str] = None, module_name: Optional[str] = None,
+        getter_closure: Optional[Getter] = None, setter_closure: Optional[Setter] = None,
     ) -> torch.Tensor:
         """Return a new tensor sharing this tensor's storage (``detach()``), registered as a Bagua tensor; this
         tensor is left as it is. The closures receive the new tensor."""

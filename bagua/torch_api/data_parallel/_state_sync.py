@@ -20,6 +20,8 @@ __all__ = ["check_consistency", "broadcast_module_and_optimizers"]
 
 _ERR_FOREIGN_PARAMS = 1
 
+NamedParams = Sequence[tuple[str, torch.nn.Parameter]]
+
 
 def _crc(text: str) -> int:
     return zlib.crc32(text.encode("utf-8"))
@@ -30,10 +32,7 @@ def _device(group: BaguaProcessGroup) -> torch.device:
 
 
 def check_consistency(
-    module: torch.nn.Module,
-    params: Sequence[tuple[str, torch.nn.Parameter]],
-    optimizers: Sequence[torch.optim.Optimizer],
-    group: BaguaProcessGroup,
+    module: torch.nn.Module, params: NamedParams, optimizers: Sequence[torch.optim.Optimizer], group: BaguaProcessGroup
 ) -> None:
     """Raise ``ValueError`` on every rank unless all ranks have the same parameters, buffers and optimizers.
 
@@ -151,10 +150,7 @@ def _broadcast_optimizer_state(optimizer: torch.optim.Optimizer, group: BaguaPro
 
 
 def broadcast_module_and_optimizers(
-    module: torch.nn.Module,
-    params: Sequence[tuple[str, torch.nn.Parameter]],
-    optimizers: Sequence[torch.optim.Optimizer],
-    group: BaguaProcessGroup,
+    module: torch.nn.Module, params: NamedParams, optimizers: Sequence[torch.optim.Optimizer], group: BaguaProcessGroup
 ) -> None:
     """Make every rank start from group rank 0's parameters, buffers and optimizer state."""
     if group.get_global_communicator().group is None or group.size() == 1:

@@ -26,10 +26,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["top1gating", "top2gating", "TopKGate", "NOISY_GATE_POLICIES"]
+__all__ = ["top1gating", "top2gating", "TopKGate", "NOISY_GATE_POLICIES", "Gating"]
 
 NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 _JITTER_EPS = 1e-2
+#: What the gate functions return: ``(l_aux, combine_weights, dispatch_mask, exp_counts)``.
+Gating = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def _capacity(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
@@ -47,13 +49,33 @@ def _slots(mask: torch.Tensor, locations: torch.Tensor, capacity: int) -> torch.
     return mask.unsqueeze(2) * F.one_hot(loc, capacity).unsqueeze(1)
 
 
+def _choices(
+    logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int, used_token: Optional[torch.Tensor],
+    noisy_gate_policy: Optional[str],
+) -> tuple[torch.Tensor, int, list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """The gate probabilities, the capacity, each token's ``k`` choices as one-hot ``(S, E)`` masks (best first,
+    ``used_token`` applied), the first choices per expert and ``l_aux``: what top-1 and top-2 share."""
+    gates = F.softmax(logits, dim=1)
+    num_tokens, num_experts = gates.shape
+    capacity = _capacity(num_tokens, num_experts, k * capacity_factor, min_capacity)
+    # Without noise top-1 chooses on the probabilities and top-2 on the logits: the same order but where softmax
+    # rounds two logits to one probability; each keeps its own, so that routing stays as it was.
+    choose = logits + _gumbel_like(logits) if noisy_gate_policy == "RSample" else (gates if k == 1 else logits)
+    masks = [F.one_hot(choose.argmax(dim=1), num_experts)]
+    if k == 2:
+        masks.append(F.one_hot(choose.masked_fill(masks[0].bool(), float("-inf")).argmax(dim=1), num_experts))
+    if used_token is not None:
+        keep = used_token.reshape(-1, 1).to(masks[0].dtype)
+        masks = [m * keep for m in masks]
+    exp_counts = masks[0].sum(dim=0).detach().cpu()
+    l_aux = (gates.mean(dim=0) * masks[0].float().mean(dim=0)).sum() * num_experts
+    return gates, capacity, masks, exp_counts, l_aux
+
+
 def top1gating(
-    logits: torch.Tensor,
-    capacity_factor: float,
-    min_capacity: int,
-    used_token: Optional[torch.Tensor] = None,
+    logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: Optional[torch.Tensor] = None,
     noisy_gate_policy: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Gating:
     """Route each of the ``S`` tokens to its best of ``E`` experts (see the module docstring).
 
     Args:
@@ -71,15 +93,8 @@ def top1gating(
         >>> combine.shape, counts.sum().item()
         (torch.Size([8, 4, 2]), 8)
     """
-    gates = F.softmax(logits, dim=1)
-    num_tokens, num_experts = gates.shape
-    capacity = _capacity(num_tokens, num_experts, capacity_factor, min_capacity)
-    choose = logits + _gumbel_like(logits) if noisy_gate_policy == "RSample" else gates
-    mask = F.one_hot(choose.argmax(dim=1), num_experts)
-    if used_token is not None:
-        mask = mask * used_token.reshape(-1, 1).to(mask.dtype)
-    exp_counts = mask.sum(dim=0).detach().cpu()
-    l_aux = (gates.mean(dim=0) * mask.float().mean(dim=0)).sum() * num_experts
+    gates, capacity, (mask,), exp_counts, l_aux = _choices(logits, 1, capacity_factor, min_capacity, used_token,
+                                                           noisy_gate_policy)
     locations = torch.cumsum(mask, dim=0) - 1
     mask = mask * (locations < capacity)
     slots = _slots(mask, locations, capacity)
@@ -89,12 +104,9 @@ def top1gating(
 
 
 def top2gating(
-    logits: torch.Tensor,
-    capacity_factor: float,
-    min_capacity: int,
-    used_token: Optional[torch.Tensor] = None,
+    logits: torch.Tensor, capacity_factor: float, min_capacity: int, used_token: Optional[torch.Tensor] = None,
     noisy_gate_policy: Optional[str] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> Gating:
     """Route each token to its two best experts (see the module docstring); arguments as :func:`top1gating`.
 
     Example:
@@ -102,17 +114,8 @@ def top2gating(
         >>> torch.allclose(combine.sum(dim=(1, 2))[combine.sum(dim=(1, 2)) > 0], torch.tensor(1.0))
         True
     """
-    gates = F.softmax(logits, dim=1)
-    num_tokens, num_experts = gates.shape
-    capacity = _capacity(num_tokens, num_experts, 2 * capacity_factor, min_capacity)
-    choose = logits + _gumbel_like(logits) if noisy_gate_policy == "RSample" else logits
-    mask1 = F.one_hot(choose.argmax(dim=1), num_experts)
-    mask2 = F.one_hot(choose.masked_fill(mask1.bool(), float("-inf")).argmax(dim=1), num_experts)
-    if used_token is not None:
-        keep = used_token.reshape(-1, 1).to(mask1.dtype)
-        mask1, mask2 = mask1 * keep, mask2 * keep
-    exp_counts = mask1.sum(dim=0).detach().cpu()
-    l_aux = (gates.mean(dim=0) * mask1.float().mean(dim=0)).sum() * num_experts
+    gates, capacity, (mask1, mask2), exp_counts, l_aux = _choices(logits, 2, capacity_factor, min_capacity,
+                                                                  used_token, noisy_gate_policy)
     locations1 = torch.cumsum(mask1, dim=0) - 1
     locations2 = torch.cumsum(mask2, dim=0) - 1 + mask1.sum(dim=0, keepdim=True)  # second choices queue behind
     mask1 = mask1 * (locations1 < capacity)
