@@ -82,3 +82,16 @@ def test_a_shallow_clone_checks_only_head(repo, tmp_path):
     _git(tmp_path, "clone", "-q", "--depth", "1", f"file://{repo}", str(clone))
     assert _check(clone, "--base", base) == (0, "")
     assert _check(repo, "--base", base)[0] == 1  # the full history has the long one
+
+
+def test_grandfathered_commits_are_let_through(repo, monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_commit_subjects", TOOL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    base = _commit(repo, "Start the convention")
+    old = _commit(repo, LONG)
+    assert [h for h, _ in tool.long_subjects(str(repo), base)] == [old[:7]]
+    monkeypatch.setattr(tool, "GRANDFATHERED", frozenset({old}))
+    assert tool.long_subjects(str(repo), base) == []

@@ -21,11 +21,16 @@ import subprocess
 import sys
 from typing import Optional, Sequence
 
-__all__ = ["BASE", "MAX_SUBJECT", "commits_to_check", "long_subjects", "main"]
+__all__ = ["BASE", "MAX_SUBJECT", "GRANDFATHERED", "commits_to_check", "long_subjects", "main"]
 
 #: The first commit of the convention (993d971, "Move benchmarks out of the package, group torch_api by layer").
 BASE = "993d971989f821f53a89584417e199de6e54f704"
 MAX_SUBJECT = 72
+#: Commits after BASE that landed before this check did, with a longer subject; history is never rewritten, so
+#: they are let through by name. Add nothing here: a new commit with a long subject must be redone before it lands.
+GRANDFATHERED = frozenset({
+    "3007e414013a3c189da8bce4ba6cc5388a483e40",  # 73 characters
+})
 
 
 def _git(repo: str, *args: str) -> subprocess.CompletedProcess:
@@ -43,11 +48,11 @@ def commits_to_check(repo: str, base: str = BASE) -> str:
 
 def long_subjects(repo: str, base: str = BASE, limit: int = MAX_SUBJECT) -> list[tuple[str, str]]:
     """Return ``(short hash, subject)`` of each commit to check whose subject is over ``limit`` characters."""
-    out = _git(repo, "log", "--format=%h%x00%s", *commits_to_check(repo, base).split())
+    out = _git(repo, "log", "--format=%H%x00%s", *commits_to_check(repo, base).split())
     if out.returncode != 0:
         raise RuntimeError(f"git log failed in {repo}: {out.stderr.strip()}")
     rows = [line.split("\0", 1) for line in out.stdout.splitlines() if line]
-    return [(h, s) for h, s in rows if len(s) > limit]
+    return [(h[:7], s) for h, s in rows if len(s) > limit and h not in GRANDFATHERED]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
