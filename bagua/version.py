@@ -1,4 +1,4 @@
-"""Bagua's version: the one place it is written (``bagua.__version__`` reads it here).
+"""Bagua's version: the one place it is written (``bagua.__version__`` and pyproject.toml read it here).
 
 Also the original Bagua's import path, ``from bagua.version import __version__``.
 

@@ -30,7 +30,8 @@ def _checkout_files() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def wheel_names(tmp_path_factory) -> list[str]:
+def wheel(tmp_path_factory) -> tuple[list[str], str]:
+    """Build the wheel; return its file names and its metadata's version."""
     # setuptools >= 70.1 builds wheels itself (no `wheel` package); without build isolation it must be installed
     pytest.importorskip("setuptools.command.bdist_wheel", reason="needs setuptools >= 70.1 to build offline")
     src = tmp_path_factory.mktemp("src")
@@ -46,7 +47,24 @@ def wheel_names(tmp_path_factory) -> list[str]:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     (wheel,) = dist.glob("bagua-*.whl")
     with zipfile.ZipFile(wheel) as zf:
-        return zf.namelist()
+        return zf.namelist(), _metadata_version(zf)
+
+
+def _metadata_version(zf: zipfile.ZipFile) -> str:
+    (metadata,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
+    lines = zf.read(metadata).decode("utf-8").splitlines()
+    return next(line.split(":", 1)[1].strip() for line in lines if line.startswith("Version:"))
+
+
+@pytest.fixture(scope="module")
+def wheel_names(wheel) -> list[str]:
+    return wheel[0]
+
+
+def test_wheel_version_is_bagua_version(wheel):
+    from bagua.version import __version__
+
+    assert wheel[1] == __version__  # pyproject.toml reads it from bagua/version.py
 
 
 def test_wheel_has_no_benchmarks_or_campaigns(wheel_names):
