@@ -12,7 +12,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 
 _COLLECTIVES = [
     "send", "recv", "allgather", "allgather_inplace", "allreduce", "allreduce_inplace", "alltoall",
@@ -97,14 +96,6 @@ LIGHTNING_BAGUA_IMPORTS: dict[str, list[str]] = {
     "bagua.torch_api.data_parallel.bagua_distributed": ["BaguaDistributedDataParallel"],
 }
 
-# Missing today, in a module this change could not edit: lightning-bagua's
-# ``from bagua.torch_api.data_parallel.distributed import DistributedDataParallel_V1_9_0`` (the original's class that
-# ``DistributedDataParallel(...)`` returned; here an alias of ``DistributedDataParallel`` would serve). The strict
-# xfail below fails as soon as the name exists: then move it back into the lists above and empty this.
-NOT_YET: dict[str, list[str]] = {
-    "bagua.torch_api.data_parallel.distributed": ["DistributedDataParallel_V1_9_0"],
-}
-
 _PROBE = """
 import importlib, json, sys
 missing = {}
@@ -133,18 +124,11 @@ def _merged() -> dict[str, list[str]]:
     for paths in (ORIGINAL_PATHS, LIGHTNING_BAGUA_IMPORTS):
         for module, names in paths.items():
             merged.setdefault(module, []).extend(n for n in names if n not in merged[module])
-    for module, names in NOT_YET.items():
-        merged[module] = [n for n in merged[module] if n not in names]
     return merged
 
 
 def test_every_original_import_path_and_name_exists():
     assert _missing(_merged()) == {}
-
-
-@pytest.mark.xfail(strict=True, reason="names in NOT_YET are still missing")
-def test_names_not_yet_provided():
-    assert _missing(NOT_YET) == {}
 
 
 def test_the_version_has_one_source():

@@ -22,7 +22,7 @@ from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.data_parallel.bagua_distributed import BaguaDistributedDataParallel
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "DistributedDataParallel_V1_9_0"]
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -122,3 +122,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def register_comm_hook(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError("register_comm_hook() is not supported; write a Bagua Algorithm instead")
+
+
+#: The original's name of the class ``DistributedDataParallel(...)`` returned under torch 1.9+ (lightning-bagua imports
+#: it as ``BaguaDistributedDataParallel``).
+DistributedDataParallel_V1_9_0 = DistributedDataParallel
