@@ -1,4 +1,5 @@
-"""Benchmarks of Bagua over emulated networks (``python -m benchmarks.network``, ``bagua-bench``).
+"""Benchmarks of Bagua, run from a clone and never installed: ``python -m benchmarks.network`` is the
+emulated-network suite.
 
 - :mod:`benchmarks.netns`: test hosts as network namespaces joined by a bridge, tbf-shaped links, cleanup;
 - :mod:`benchmarks.workload`: the training job each host runs, and the models it can train;
