@@ -102,14 +102,20 @@ class DiLoCoDriver:
         if not all(parts):
             raise ValueError(f"{self.owner}: with fragments={hyper.fragments}, a fragment holds no element on this "
                              "rank (its shards of those units are empty); use fewer fragments")
-        outer = hyper.outer_optimizer or functools.partial(
-            torch.optim.SGD, lr=hyper.outer_lr, momentum=hyper.outer_momentum,
-            nesterov=hyper.nesterov and hyper.outer_momentum > 0,
-        )
+        outer = self.outer_factory()
         self.fragments = [Fragment(i, [params[k] for k in part], outer, hyper.offload_outer_state)
                           for i, part in enumerate(parts)]
         if self._loaded is not None:
             self._load_fragments(self._loaded)
+
+    def outer_factory(self) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+        """Return what builds a fragment's outer optimizer over ``[global]``: the user's ``outer_optimizer``, or SGD
+        with the ``outer_lr``, ``outer_momentum`` and ``nesterov`` settings."""
+        hyper = self.hyper
+        return hyper.outer_optimizer or functools.partial(
+            torch.optim.SGD, lr=hyper.outer_lr, momentum=hyper.outer_momentum,
+            nesterov=hyper.nesterov and hyper.outer_momentum > 0,
+        )
 
     def count_step(self, warm: bool) -> None:
         """Count one inner step; a warm-up step (``warm``) has no end-of-step work, so it counts as processed."""

@@ -33,6 +33,7 @@ from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api import communication as comm
 from bagua.torch_api.contrib._own_group import own_communicator
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver
+from bagua.torch_api.sharded.checkpoint import load_sharded_state_dict, sharded_state_dict
 from bagua.torch_api.sharded.mesh import check_mesh, fsdp_units, local_shard, replica_groups
 
 __all__ = ["ShardedReplicas", "SUPPORTED"]
@@ -89,9 +90,13 @@ class ShardedReplicas:
             if ranks == mine:
                 self.communicator: BaguaCommunicator = c
         shard_ranks = device_mesh[shard_dim].mesh.flatten().tolist()
-        # this rank's shards, by FSDP2 unit (model order)
-        self.units = [[(local_shard(n, p, shard_ranks), p.numel() * p.element_size()) for n, p in unit]
-                      for unit in fsdp_units(module)]
+        #: where this rank sits: (replica index, shard index) of (replicas, shards per replica)
+        self.position = (self.communicator.rank(), shard_ranks.index(rank))
+        self.mesh_shape = (len(mine), len(shard_ranks))
+        # this rank's shards, by FSDP2 unit (model order), and by name for checkpoints
+        named = [[(n, p, local_shard(n, p, shard_ranks)) for n, p in unit] for unit in fsdp_units(module)]
+        self.units = [[(s, p.numel() * p.element_size()) for _, p, s in unit] for unit in named]
+        self.named_shards = [entry for unit in named for entry in unit]
         self._broadcast_shards()
         # per-algorithm state
         self._workspaces: dict[int, AnyWorkspace] = {}
@@ -164,6 +169,18 @@ class ShardedReplicas:
             self._build_fragments()  # the inner phases start from the weights the warm-up reached
         if not warm:
             self.driver.end_steps()
+
+    # -- checkpoints -------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return this rank's state for ``torch.distributed.checkpoint`` (a DCP ``Stateful``): step counters,
+        DiLoCo's outer state as per-parameter DTensors, residuals under keys naming the replica (see
+        :mod:`bagua.torch_api.sharded.checkpoint`)."""
+        return sharded_state_dict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned, as loaded by ``torch.distributed.checkpoint.load``."""
+        load_sharded_state_dict(self, state)
 
     # -- teardown ----------------------------------------------------------------------------------------------
 
