@@ -13,10 +13,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
 
 
-def _launch(script: str, *args: str, cwd: str, timeout: float = 90) -> str:
+def _launch(script: str, *args: str, cwd: str, timeout: float = 90, nproc: int = 2) -> str:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     proc = subprocess.run(
-        [sys.executable, "-m", "bagua.distributed.launch", "--nproc_per_node=2", os.path.join(EXAMPLES, script),
+        [sys.executable, "-m", "bagua.distributed.launch", f"--nproc_per_node={nproc}", os.path.join(EXAMPLES, script),
          *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout,
     )
     # A clean exit is part of the check: Bagua releases its process groups before the interpreter finalizes
@@ -55,3 +55,11 @@ def test_synthetic_benchmark(tmp_path):
     per_rank = re.search(r"Img/sec per rank: ([\d.]+) \+-", out)
     total = re.search(r"Total img/sec on 2 rank\(s\): ([\d.]+) \+-", out)
     assert per_rank and total and float(total.group(1)) == pytest.approx(2 * float(per_rank.group(1)), rel=1e-3), out
+
+
+def test_fsdp_diloco(tmp_path):
+    # 4 ranks: 2 replicas x 2 shards; 30 steps at H=10 (its 3 synchronizations) learn the synthetic rule
+    out = _launch("fsdp_diloco.py", "--steps", "30", cwd=str(tmp_path), nproc=4, timeout=150)
+    m = re.search(r"fsdp_diloco: 2 replicas x 2 shards, .*, 30 steps, 3 DiLoCo synchronizations, "
+                  r"loss ([\d.]+) -> ([\d.]+)", out)
+    assert m and float(m.group(2)) < 0.5 * float(m.group(1)), out
