@@ -55,7 +55,8 @@ class ShardedReplicas:
     builds; reachable as ``module.bagua_sharded``).
 
     Building it is collective over every rank of the mesh (it creates one process group per replica group) and
-    broadcasts each shard from the first replica, so the replicas start equal.
+    broadcasts each shard from the first replica, so the replicas start equal. It is a ``torch.distributed.checkpoint``
+    ``Stateful``: save it beside the model's and the optimizer's state (see :mod:`bagua.torch_api.sharded.checkpoint`).
 
     Args:
         module: the model, ``fully_shard``-ed over the shard dimension of ``device_mesh`` only.
