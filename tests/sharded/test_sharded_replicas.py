@@ -127,7 +127,8 @@ def test_bytegrad_gradients_within_the_codec_bound_of_hsdp(codec):
 @pytest.mark.parametrize("kwargs", [
     {"sync_every": 2},
     {"sync_every": 2, "warmup_steps": 1, "fragments": 2},
-], ids=["plain", "streaming-warmup"])
+    {"sync_every": 2, "fragments": 2, "overlap_steps": 1},
+], ids=["plain", "streaming-warmup", "streaming-overlap"])
 def test_diloco_equals_unsharded_diloco_at_two_replicas(kwargs):
     kwargs = dict(kwargs, outer_lr=0.7, outer_momentum=0.9)
     sharded = run_workers(_worker_sharded, 4, "diloco", kwargs, timeout=180)

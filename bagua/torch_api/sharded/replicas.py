@@ -31,7 +31,8 @@ from bagua.torch_api.codecs.workspace import AnyWorkspace, compressed_allreduce_
 from bagua.torch_api.comm.process_group import BaguaCommunicator
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api import communication as comm
-from bagua.torch_api.contrib._own_group import own_communicator
+from bagua.torch_api.contrib._own_group import own_communicator, release_at_exit
+from bagua.torch_api.data_parallel._comm_plane import CommWorker
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver
 from bagua.torch_api.sharded.checkpoint import load_sharded_state_dict, sharded_state_dict
 from bagua.torch_api.sharded.mesh import check_mesh, fsdp_units, local_shard, replica_groups
@@ -124,7 +125,11 @@ class ShardedReplicas:
             m.set_all_reduce_hook(self._hook_for(i))
         name = type(self.algorithm).__name__
         if name == "DiLoCoAlgorithm":
-            self.driver = DiLoCoDriver(self.algorithm, "DiLoCo (sharded)", communicator=self.communicator)
+            # with overlap, the exchanges travel on a thread of the driver's own while the next inner steps run
+            worker = CommWorker("bagua-diloco-sharded", None) if self.algorithm.overlap_steps > 0 else None
+            self.driver = DiLoCoDriver(self.algorithm, "DiLoCo (sharded)", communicator=self.communicator,
+                                       worker=worker)
+            release_at_exit(self)
             if self.algorithm.warmup_steps == 0:
                 self._build_fragments()
             self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
@@ -197,3 +202,7 @@ class ShardedReplicas:
                 m.set_all_reduce_hook(lambda _: None)
         if self.driver is not None:
             self.driver.close(strict=False)
+
+    def _release_for_exit(self) -> None:
+        if self.driver is not None:
+            self.driver.release_for_exit()
