@@ -143,6 +143,7 @@ def test_diloco_equals_unsharded_diloco_at_two_replicas(kwargs):
 
 
 def _worker_errors(rank, world):
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
     from bagua.torch_api.algorithms.decentralized import DecentralizedAlgorithm
     from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 
@@ -154,6 +155,7 @@ def _worker_errors(rank, world):
         (sharded, DecentralizedAlgorithm(), {"device_mesh": mesh, "replicate_dim": "replicate"}),
         (sharded, GradientAllReduceAlgorithm(), {"device_mesh": mesh, "replicate_dim": "replica"}),
         (sharded, GradientAllReduceAlgorithm(), {}),
+        (sharded, ByteGradAlgorithm(nonfinite="skip"), {"device_mesh": mesh, "replicate_dim": "replicate"}),
         (hsdp, GradientAllReduceAlgorithm(), {"device_mesh": mesh, "replicate_dim": "replicate"}),
     ]
     for model, algorithm, kwargs in cases:
@@ -173,5 +175,6 @@ def test_unsupported_settings_raise_on_every_rank_saying_what_to_do():
         assert "DiLoCoAlgorithm" in messages[0]
         assert messages[1] is not None and "['replicate', 'shard']" in messages[1]
         assert messages[2] is not None and "device_mesh=mesh" in messages[2]
-        assert messages[3] is not None and "native HSDP" in messages[3]
+        assert messages[3] is not None and "nonfinite=" in messages[3]
+        assert messages[4] is not None and "native HSDP" in messages[4]
 

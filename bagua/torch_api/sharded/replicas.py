@@ -78,6 +78,11 @@ class ShardedReplicas:
                              f"{', '.join(SUPPORTED)}")
         if not optimizers:
             raise ValueError("with_bagua(optimizers, ..., device_mesh=...) needs the optimizer(s) of the model")
+        if name == "ByteGradAlgorithm" and (algorithm.grad_scaler is not None or algorithm.nonfinite != "propagate"):
+            raise ValueError("ByteGradAlgorithm on sharded replicas supports neither grad_scaler= nor nonfinite= "
+                             "other than 'propagate' yet (residuals are not rescaled, no finite check runs): leave "
+                             "both at their defaults; a non-finite gradient then reaches every replica, so "
+                             "GradScaler skips the step everywhere")
         index, shard_dim = check_mesh(device_mesh, replicate_dim)
         # user settings
         self.module, self.algorithm = module, algorithm
