@@ -12,19 +12,10 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_workers
+from tests.sharded.common import batch as _batch
+from tests.sharded.common import model as _model
 
 STEPS = 6
-
-
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    # four equal layers: the unsharded model's fragments of equal bytes end at layer (FSDP2 unit) boundaries
-    return torch.nn.Sequential(*(m for _ in range(4) for m in (torch.nn.Linear(16, 16), torch.nn.Tanh())))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
 
 
 def _mesh():
