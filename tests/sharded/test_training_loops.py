@@ -185,13 +185,6 @@ def test_diloco_loop_equals_its_maths(case):
     _assert_bitwise(sharded[0]["full"], sharded[2]["full"])  # the last step synchronized the replicas
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "ShardedReplicas counts DiLoCo's steps in an optimizer step-post hook, which does not run when GradScaler "
-    "skips the step; a NaN in one replica's inner step is not seen by the other replica (no exchange at inner "
-    "steps), so the replicas count different steps and their sync schedules diverge (unsharded DiLoCo counts "
-    "every backward that syncs, skipped or not). Fix in bagua/torch_api/sharded/replicas.py: count the step "
-    "when the root FSDP2 unit's all-reduce hook runs (the last gradient exchanged of a step that syncs), and "
-    "run driver.end_steps() after the optimizer step or, if the scaler skipped it, in a forward pre-hook"))
 def test_diloco_with_grad_scaler_counts_a_skipped_step_on_every_replica():
     """Replica 0's step 1 is NaN: GradScaler skips it on replica 0's ranks only. DiLoCo's schedule must still
     count it, as the maths (and unsharded DiLoCo) do, or the replicas synchronize at different steps: here 6

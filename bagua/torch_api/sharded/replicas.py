@@ -108,7 +108,9 @@ class ShardedReplicas:
         # per-algorithm state
         self._workspaces: dict[int, AnyWorkspace] = {}
         self.driver: Optional[DiLoCoDriver] = None
-        self.steps = 0
+        self.steps = 0  # DiLoCo: steps counted, one per backward that exchanges gradients
+        self._counted = False  # this step's backward has been counted
+        self._warm = False  # and it was a warm-up step
         self._handles: list[Any] = []
         self._install()
 
@@ -137,7 +139,12 @@ class ShardedReplicas:
             release_at_exit(self)
             if self.algorithm.warmup_steps == 0:
                 self._build_fragments()
-            self._handles.append(self.optimizer.register_step_post_hook(self._after_step))
+            # a step is counted at its backward (the first gradient exchanged), so a step GradScaler skips on
+            # one replica only still counts there; its end-of-step work runs after the optimizer step, or at the
+            # next forward when the optimizer did not step
+            self._handles.append(self.optimizer.register_step_post_hook(lambda *_: self._end_steps()))
+            # prepended: before FSDP2 all-gathers the root's own parameters, which an outer step may change
+            self._handles.append(self.module.register_forward_pre_hook(lambda *_: self._on_forward(), prepend=True))
 
     def _build_fragments(self) -> None:
         """Fragments of whole FSDP2 units, split by the units' full sizes: every shard rank cuts the model at the
@@ -158,8 +165,10 @@ class ShardedReplicas:
     def _exchange_gradient(self, unit: int, flat: torch.Tensor) -> None:
         """Average one unit's reduce-scatter output over the replicas, as the algorithm says."""
         name = type(self.algorithm).__name__
-        if name == "DiLoCoAlgorithm" and self.steps >= self.algorithm.warmup_steps:
-            return  # inner steps: each replica trains on its own gradients
+        if name == "DiLoCoAlgorithm":
+            warm = self._count_step()
+            if not warm:
+                return  # inner steps: each replica trains on its own gradients
         if name == "ByteGradAlgorithm":
             ws = self._workspaces.get(unit)
             if ws is None:
@@ -171,15 +180,29 @@ class ShardedReplicas:
             return
         comm.allreduce_inplace(flat, ReduceOp.AVG, self.communicator)
 
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    def _count_step(self) -> bool:
+        """Count this backward's step once (at its first exchanged gradient); return whether it is a warm-up step,
+        whose gradients are averaged over the replicas."""
+        warm = self._warm
+        if not self._counted:
+            self._counted = True
+            warm = self._warm = self.steps < self.algorithm.warmup_steps
+            self.steps += 1
+            assert self.driver is not None
+            self.driver.count_step(warm)
+        return warm
+
+    def _on_forward(self) -> None:
+        self._end_steps()  # the previous step's, when the optimizer did not step (GradScaler skipped it)
+        self._counted = False
+
+    def _end_steps(self) -> None:
+        """Run the end-of-step work of the steps counted: build the fragments once the warm-up is over, then
+        finish and start the exchanges due."""
         assert self.driver is not None
-        warm = self.steps < self.algorithm.warmup_steps
-        self.steps += 1
-        self.driver.count_step(warm)
-        if self.steps == self.algorithm.warmup_steps:
+        if self.steps >= self.algorithm.warmup_steps and not self.driver.fragments:
             self._build_fragments()  # the inner phases start from the weights the warm-up reached
-        if not warm:
-            self.driver.end_steps()
+        self.driver.end_steps()
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
@@ -187,6 +210,8 @@ class ShardedReplicas:
         """Return this rank's state for ``torch.distributed.checkpoint`` (a DCP ``Stateful``): step counters,
         DiLoCo's outer state as per-parameter DTensors, residuals under keys naming the replica (see
         :mod:`bagua.torch_api.sharded.checkpoint`)."""
+        if self.driver is not None:
+            self._end_steps()  # the end-of-step work a forward would run first (collective, as the save is)
         return sharded_state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
