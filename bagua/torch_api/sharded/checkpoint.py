@@ -253,8 +253,7 @@ def load_sharded_state_dict(replicas: Any, state: dict[str, Any]) -> None:
                 "DiLoCo's codec residuals, over this rank's shard of each fragment): saved at (replicas, shards) = "
                 f"{tuple(ranks['mesh_shape'])}, loading at {tuple(replicas.mesh_shape)}. Load at the mesh shape of "
                 "the save, or train without error feedback (compression='none' for DiLoCo)")
-    replicas.steps = int(state["steps"])
-    if replicas.driver is not None:
+    if replicas.driver is not None:  # its step counters come back with it ("steps" is saved as a summary)
         _load_diloco(replicas, state, ranks["diloco"])
         _load_replica(replicas, state)
     if ranks["bytegrad"]:

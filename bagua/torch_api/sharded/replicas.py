@@ -108,7 +108,6 @@ class ShardedReplicas:
         # per-algorithm state
         self._workspaces: dict[int, AnyWorkspace] = {}
         self.driver: Optional[DiLoCoDriver] = None
-        self.steps = 0  # DiLoCo: steps counted, one per backward that exchanges gradients
         self._counted = False  # this step's backward has been counted
         self._warm = False  # and it was a warm-up step
         self._handles: list[Any] = []
@@ -187,10 +186,14 @@ class ShardedReplicas:
         if not self._counted:
             self._counted = True
             warm = self._warm = self.steps < self.algorithm.warmup_steps
-            self.steps += 1
             assert self.driver is not None
             self.driver.count_step(warm)
         return warm
+
+    @property
+    def steps(self) -> int:
+        """DiLoCo: steps counted, one per backward that exchanges gradients (the driver's count; 0 otherwise)."""
+        return self.driver.steps if self.driver is not None else 0
 
     def _on_forward(self) -> None:
         self._end_steps()  # the previous step's, when the optimizer did not step (GradScaler skipped it)
