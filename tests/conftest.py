@@ -1,7 +1,14 @@
+import os
 import shutil
 
 import pytest
 import torch
+
+# Without CUDA, Triton's kernels run through its interpreter on CPU tensors (tests/torch_api/test_triton_codecs.py).
+# Triton reads TRITON_INTERPRET when it is first imported (its own library functions are decorated then), so it is
+# set here, before any test imports it; nothing else in Bagua runs Triton on CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_addoption(parser):

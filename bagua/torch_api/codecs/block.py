@@ -39,7 +39,8 @@ Speed: on CPU the functions stream the blocks through a scratch piece of :data:`
 float32, about one core's L2): the encoder reads each piece once from memory for its min/max and quantizes it
 while it is in cache; ``round`` and the float -> integer cast are one addition of ``2**23`` (the float32 bits
 of ``2**23 + q`` end in the byte ``q``); the uint4 decoder unpacks with one byte mask (:func:`_dequantize_pairs`).
-Other devices run whole-tensor operations. One thread, against MinMaxUInt8 (``compression.py``): see
+CUDA tensors take the Triton kernels of :mod:`~bagua.torch_api.codecs.triton_kernels` (one pass over memory,
+the same bytes and values) where Triton is installed; other devices run whole-tensor operations. One thread, against MinMaxUInt8 (``compression.py``): see
 ``benchmarks/codec.py``.
 
 Example:
@@ -56,6 +57,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from bagua.torch_api.codecs import triton_kernels
 
 __all__ = ["CODECS", "DEFAULT_BLOCK", "PIECE", "wire_numel", "encode", "decode", "error_bound"]
 
@@ -259,6 +261,8 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
         else:
             out.copy_(x.to(torch.bfloat16).view(torch.uint8))
         return out
+    if _fused(x, out, block_size):  # CUDA: one Triton kernel, the same bytes (triton_kernels)
+        return triton_kernels.block_encode(x, codec, block_size, out)
     levels = _LEVELS[codec]
     blocks = -(-n // block_size)
     hdr = torch.empty(blocks, 2, dtype=torch.float32, device=x.device)
@@ -285,6 +289,12 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
         codes = out[c : c + _code_bytes(b - a, codec)].view(1, -1)
         _quantize(half, mn, _scale(mn, mx, levels), codes, _Scratch(1, b - a, levels, x.device))
     return out
+
+
+def _fused(values: torch.Tensor, wire: torch.Tensor, block_size: int) -> bool:
+    """Whether to run the Triton kernels (CUDA, Triton, ``BAGUA_FUSED_CODECS`` not ``0``, a block that fits)."""
+    return (triton_kernels.enabled(values) and block_size <= triton_kernels.MAX_BLOCK and wire.is_contiguous()
+            and values.is_contiguous())
 
 
 def _split(k: int, *tensors: torch.Tensor):
@@ -331,6 +341,8 @@ def decode(wire: torch.Tensor, numel: int, codec: str, block_size: int = DEFAULT
         for v, o in _split(k, values, out):  # bfloat16 + float32 in one op is about 10x slower
             o.add_(w[: v.numel()].copy_(v))
         return out
+    if _fused(out, wire, block_size):
+        return triton_kernels.block_decode(wire, numel, codec, block_size, out, accumulate)
     levels = _LEVELS[codec]
     blocks = -(-numel // block_size)
     hdr = _header(wire, blocks)

@@ -33,7 +33,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-from bagua.torch_api.codecs import codec_format
+from bagua.torch_api.codecs import codec_format, triton_kernels
 from bagua.torch_api.codecs.codec_format import (  # noqa: F401 (the format's public names are this module's too)
     _MAGIC,
     EPS,
@@ -84,6 +84,12 @@ def _blocked(x: torch.Tensor) -> bool:
     return x.device.type == "cpu"
 
 
+def _fused(values: torch.Tensor, wire: torch.Tensor) -> bool:
+    """Whether to run the Triton kernels: CUDA float32 rows of unit stride (``triton_kernels.enabled``)."""
+    return (triton_kernels.enabled(values) and values.dtype == torch.float32 and values.stride(-1) == 1
+            and wire.stride(-1) == 1)
+
+
 def chunk_minmax(x: torch.Tensor) -> torch.Tensor:
     """The ``(n, 2)`` float32 min and max of every row of ``x`` (the header of each encoded chunk).
 
@@ -130,6 +136,11 @@ def encode_chunks(
         wire.zero_()
         return
     xf = x if x.dtype == torch.float32 else x.float()
+    if _fused(xf, wire):  # CUDA: Triton kernels, the same bytes (triton_kernels), no wait for the host
+        mm = params.minmax if params is not None else minmax
+        mm = triton_kernels.chunks_minmax(xf) if mm is None else mm.detach().to(xf.device, torch.float32)
+        triton_kernels.chunks_encode(xf, wire, mm.contiguous())
+        return
     if params is None:
         params = ChunkParams(chunk_minmax(xf) if minmax is None else minmax)
     wire[:, :HEADER_BYTES].copy_(params.header)
@@ -249,6 +260,9 @@ def decode_chunks(
     _check_wire(wire, n, length)
     if length == 0:
         return
+    if _fused(out, wire):
+        triton_kernels.chunks_decode(wire, out, accumulate, None if params is None else params.minmax.to(out.device))
+        return
     params = params or ChunkParams.of_wire(wire)
     codes = wire[:, HEADER_BYTES:]
     direct = out.dtype == torch.float32 and not accumulate
@@ -299,6 +313,9 @@ def decode_sum_chunks(
     if length == 0:
         return
     flat_out = out.view(-1)
+    if _fused(flat_out, wire):
+        triton_kernels.chunks_decode_sum(wire, flat_out, None if params is None else params.minmax.to(out.device))
+        return
     params = params or ChunkParams.of_wire(wire)
     scale, lower = params.scale, params.lower
     codes = wire[:, HEADER_BYTES:]
