@@ -11,8 +11,10 @@ stages (``--stage``, run in this order) write what they find to ``OUT_DIR/gpu_ch
    harness lets ``bagua.init_process_group`` pick NCCL whenever CUDA is visible, and its two-rank CPU jobs would
    then put two ranks on one GPU, which NCCL refuses.
 3. ``codec``: MinMaxUInt8 encode and decode of ``--codec-elements`` (64 Mi) float32 in GB/s against the card's
-   device-to-device copy (bytes read plus written); the goal is 40 % each. Then torch's fused Adam against
-   ``fuse_optimizer`` (with the timing functions of ``benchmarks/codec.py`` and ``benchmarks/fused_optimizer.py``).
+   device-to-device copy (bytes read plus written); the goal is 40 % each. Then the codecs' Triton kernels against
+   the whole-tensor path and the time their memory traffic takes, with their bytes checked against the CPU's
+   (``benchmarks/codec_fused.py``), and torch's fused Adam against ``fuse_optimizer`` (with the timing functions of
+   ``benchmarks/codec.py`` and ``benchmarks/fused_optimizer.py``).
 4. ``step`` (:mod:`~benchmarks.gpu_step`): the GPT's and the ResNet's training step on the GPU, fp32 and bf16.
 5. ``network`` and ``latency``: :mod:`benchmarks.gpu_check_network`.
 
@@ -278,20 +280,16 @@ def stage_codec(run: Run, args: argparse.Namespace) -> dict:
         r["of_copy"] = round(r["gb_per_s"] * 1e9 / copy_bps, 4)
         run.say(f"codec: {device} block-wise {r['codec']} {r['op']} (block {r['block']}): {r['ms']:.2f} ms, "
                 f"{r['gb_per_s']:.1f} GB/s of float32 = {r['of_copy']:.0%} of the copy")
-    compiled = None
-    if run.cuda:  # the torch.compile'd codec (Triton): speed and codes that differ from the eager codec's
+    kernels = None
+    if run.cuda:  # the Triton kernels against the traffic bound and the whole-tensor path, and their bytes
         try:
-            compiled = _benchmark_script("codec_compiled").bench_compiled(args.codec_elements, args.codec_chunks,
-                                                                        torch.device(device), args.repeats)
-            for op in ("encode", "decode"):
-                t = compiled["ms"][f"compiled_{op}"]
-                run.say(f"codec: cuda compiled {op}: {t:.3f} ms (eager {compiled['ms'][f'eager_{op}']:.3f} ms) = "
-                        f"{4 * compiled['numel'] / t / 1e6 / (copy_bps / 1e9):.0%} of the copy")
-            run.say(f"codec: compiled against eager, mismatches: random {compiled['mismatch_random']}, "
-                    f"special rows {compiled['mismatch_special']}")
-        except Exception:  # noqa: BLE001 - an experiment: its failure is reported, not fatal
-            compiled = {"error": traceback.format_exc()}
-            run.say("codec: compiled codec failed:\n" + compiled["error"])
+            kernels = _benchmark_script("codec_fused").bench_fused(args.codec_elements, args.codec_block,
+                                                                   args.codec_chunks)
+            for line in _benchmark_script("codec_fused").describe(kernels):
+                run.say("codec kernels: " + line)
+        except Exception:  # noqa: BLE001 - reported in the JSON and the log, the other stages still run
+            kernels = {"error": traceback.format_exc()}
+            run.say("codec kernels failed:\n" + kernels["error"])
     if not run.cuda:
         run.skip_cuda("fused adam", "torch's fused Adam against fuse_optimizer on the GPU; timing "
                                     f"{args.adam_params} x {args.adam_shape}^2 on cpu instead")
@@ -307,7 +305,7 @@ def stage_codec(run: Run, args: argparse.Namespace) -> dict:
             + (f", compile=True {ms['compiled']:.2f} ms" if "compiled" in ms else "")
             + f", foreach {ms['foreach']:.2f} ms" + against)
     return {"status": "ok", "device": device, "copy_gb_per_s": round(copy_bps / 1e9, 2), "codec": speeds,
-            "codec_rows": rows, "block_rows": blocks, "compiled": compiled,
+            "codec_rows": rows, "block_rows": blocks, "kernels": kernels,
             "fused_adam_ms": ms}
 
 

@@ -44,7 +44,7 @@ def _reference(x: torch.Tensor, codec: str, block: int) -> tuple[torch.Tensor, t
             second = torch.cat([qi[h:], torch.zeros(2 * h - m, dtype=torch.uint8)])
             qi = qi[:h] + second * 16
         codes.append(qi)
-    header = torch.cat([mn, mx], dim=1).contiguous().view(-1).view(torch.uint8)
+    header = (torch.cat([mn, mx], dim=1) + 0.0).contiguous().view(-1).view(torch.uint8)  # a zero as +0
     return torch.cat([header] + codes), y
 
 

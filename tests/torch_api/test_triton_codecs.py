@@ -89,11 +89,14 @@ def test_block_header_of_a_misaligned_wire(device):
     assert_same_bits(y, bc.decode(wire, 1000, "uint4", 64))
 
 
-def _chunk_rows() -> torch.Tensor:
-    """The CUDA test's rows (ordinary, constant, offset far beyond their range, huge, tiny) and random ones."""
+def _chunk_rows(length: int = 5000) -> torch.Tensor:
+    """The CUDA test's rows (ordinary, constant, offset far beyond their range, huge, tiny), random ones, and
+    signed zeros."""
     gen = torch.Generator().manual_seed(51)
-    rows = _rows()
-    return torch.cat([rows, torch.randn(3, rows.shape[1], generator=gen) * 4 - 1])
+    rows = _rows()[:, :length]  # each row's kind holds on any slice; the interpreter runs a program in ~1 ms
+    zeros = torch.zeros(rows.shape[1])
+    zeros[::3] = -0.0  # zeros of both signs: the header's zero is +0 on every device
+    return torch.cat([rows, torch.randn(3, rows.shape[1], generator=gen) * 4 - 1, zeros.view(1, -1)])
 
 
 def test_minmax_uint8_kernels_write_the_cpu_bytes_and_values(device):

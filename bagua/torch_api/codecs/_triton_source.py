@@ -30,10 +30,21 @@ def _rint(y):
 
 @triton.jit
 def _min_max(x, mask):
-    # torch.amin / amax: NaN wins (as the canonical NaN); padding is +-inf
-    mn = tl.min(tl.where(mask, x, float("inf")), axis=0)
-    mx = tl.max(tl.where(mask, x, float("-inf")), axis=0)
-    has_nan = tl.max(tl.where(mask & (x != x), 1, 0), axis=0) > 0
+    return _min_max2(x, mask, x, mask)
+
+
+@triton.jit
+def _min_max2(a, mask_a, b, mask_b):
+    # torch.amin / amax of a and b together: NaN wins (as the canonical NaN; both are NaN then: the GPU's min and
+    # max pass over a NaN, so a third reduction looks for one); padding is +-inf. Plus 0: a zero minimum or
+    # maximum is +0 whatever the signs met (block.encode and ChunkParams do the same). tl.min, not a reduction
+    # with a NaN-propagating combine: the interpreter runs a combine function element by element (50x slower)
+    lo = tl.minimum(tl.where(mask_a, a, float("inf")), tl.where(mask_b, b, float("inf")))
+    hi = tl.maximum(tl.where(mask_a, a, float("-inf")), tl.where(mask_b, b, float("-inf")))
+    nan = tl.where((mask_a & (a != a)) | (mask_b & (b != b)), 1, 0)
+    has_nan = tl.max(nan, axis=0) > 0
+    mn = tl.min(lo, axis=0) + 0.0
+    mx = tl.max(hi, axis=0) + 0.0
     return tl.where(has_nan, _nan(), mn), tl.where(has_nan, _nan(), mx), has_nan
 
 
@@ -71,11 +82,10 @@ def _block_prologue(hdr_ptr, pid, mn, mx, has_nan, LEVELS: tl.constexpr):
 
 
 @triton.jit
-def block_encode_u8(x_ptr, hdr_ptr, codes_ptr, n, block_size, per_block, LEVELS: tl.constexpr,
+def block_encode_u8(x_ptr, hdr_ptr, codes_ptr, m, half, per_block, LEVELS: tl.constexpr,
                     WIDTH: tl.constexpr):
     pid = tl.program_id(0)
-    start = pid.to(tl.int64) * block_size
-    m = tl.minimum(n - start, block_size)
+    start = pid.to(tl.int64) * m
     offs = tl.arange(0, WIDTH)
     mask = offs < m
     x = tl.load(x_ptr + start + offs, mask=mask, other=0.0)
@@ -86,23 +96,18 @@ def block_encode_u8(x_ptr, hdr_ptr, codes_ptr, n, block_size, per_block, LEVELS:
 
 
 @triton.jit
-def block_encode_u4(x_ptr, hdr_ptr, codes_ptr, n, block_size, per_block, LEVELS: tl.constexpr,
+def block_encode_u4(x_ptr, hdr_ptr, codes_ptr, m, half, per_block, LEVELS: tl.constexpr,
                     WIDTH: tl.constexpr):
     # byte i of a block of m holds element i (low nibble) and element i + ceil(m/2) (high nibble, 0 past m)
     pid = tl.program_id(0)
-    start = pid.to(tl.int64) * block_size
-    m = tl.minimum(n - start, block_size)
-    h = (m + 1) // 2
+    start = pid.to(tl.int64) * m
+    h = half
     offs = tl.arange(0, WIDTH)
     mask_lo = offs < h
     mask_hi = offs < m - h
     lo = tl.load(x_ptr + start + offs, mask=mask_lo, other=0.0)
     hi = tl.load(x_ptr + start + h + offs, mask=mask_hi, other=0.0)
-    mn_lo, mx_lo, nan_lo = _min_max(lo, mask_lo)
-    mn_hi, mx_hi, nan_hi = _min_max(hi, mask_hi)
-    has_nan = nan_lo | nan_hi
-    mn = tl.where(has_nan, _nan(), tl.minimum(mn_lo, mn_hi))
-    mx = tl.where(has_nan, _nan(), tl.maximum(mx_lo, mx_hi))
+    mn, mx, has_nan = _min_max2(lo, mask_lo, hi, mask_hi)
     huge, mns, s, bad = _block_prologue(hdr_ptr, pid, mn, mx, has_nan, LEVELS)
     q = _block_codes(lo, huge, mns, s) + 16 * tl.where(mask_hi, _block_codes(hi, huge, mns, s), 0)
     q = tl.where(bad, 0, q)
@@ -128,11 +133,10 @@ def _store_values(out_ptr, v, mask, ACCUMULATE: tl.constexpr):
 
 
 @triton.jit
-def block_decode_u8(codes_ptr, hdr_ptr, out_ptr, n, block_size, per_block, LEVELS: tl.constexpr,
+def block_decode_u8(codes_ptr, hdr_ptr, out_ptr, m, half, per_block, LEVELS: tl.constexpr,
                     ACCUMULATE: tl.constexpr, WIDTH: tl.constexpr):
     pid = tl.program_id(0)
-    start = pid.to(tl.int64) * block_size
-    m = tl.minimum(n - start, block_size)
+    start = pid.to(tl.int64) * m
     offs = tl.arange(0, WIDTH)
     mask = offs < m
     mn = tl.load(hdr_ptr + 2 * pid)
@@ -142,12 +146,11 @@ def block_decode_u8(codes_ptr, hdr_ptr, out_ptr, n, block_size, per_block, LEVEL
 
 
 @triton.jit
-def block_decode_u4(codes_ptr, hdr_ptr, out_ptr, n, block_size, per_block, LEVELS: tl.constexpr,
+def block_decode_u4(codes_ptr, hdr_ptr, out_ptr, m, half, per_block, LEVELS: tl.constexpr,
                     ACCUMULATE: tl.constexpr, WIDTH: tl.constexpr):
     pid = tl.program_id(0)
-    start = pid.to(tl.int64) * block_size
-    m = tl.minimum(n - start, block_size)
-    h = (m + 1) // 2
+    start = pid.to(tl.int64) * m
+    h = half
     offs = tl.arange(0, WIDTH)
     mn = tl.load(hdr_ptr + 2 * pid)
     mx = tl.load(hdr_ptr + 2 * pid + 1)
@@ -201,8 +204,8 @@ def _chunk_params(mn, mx):
 def chunks_encode(x_ptr, mm_ptr, wire_ptr, length, xstride, wstride, TILE: tl.constexpr):
     row = tl.program_id(0)
     t = tl.program_id(1)
-    mn = tl.load(mm_ptr + 2 * row)
-    mx = tl.load(mm_ptr + 2 * row + 1)
+    mn = tl.load(mm_ptr + 2 * row) + 0.0  # ChunkParams: a zero min or max is +0
+    mx = tl.load(mm_ptr + 2 * row + 1) + 0.0
     scale, lower = _chunk_params(mn, mx)
     offs = t * TILE + tl.arange(0, TILE)
     mask = offs < length

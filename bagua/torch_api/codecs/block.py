@@ -26,7 +26,7 @@ bfloat16 of ``x`` (round to nearest even, torch's cast), ``|x - x'| <= 2**-8 |x|
 above ``(2 - 2**-8) * 2**127`` becomes Inf.
 
 Wire layout (``uint8`` / ``uint4``): all the headers first, block after block the float32 pair ``(min, max)``
-(8 bytes), then every block's codes in block order. ``uint8`` spends one byte per element. ``uint4`` packs two
+(8 bytes; a zero as +0), then every block's codes in block order. ``uint8`` spends one byte per element. ``uint4`` packs two
 codes per byte, and to keep every step a contiguous operation it pairs the two halves of a block: byte ``i`` of
 a block of ``m`` elements holds the code of element ``i`` in its low nibble and that of element ``i + ceil(m/2)``
 in its high nibble (0 past the end). At the default block of 4096, ``uint4`` spends ``(8 + 2048) / 2048``
@@ -277,6 +277,7 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
             torch.amin(xa, dim=1, keepdim=True, out=mn)
             torch.amax(xa, dim=1, keepdim=True, out=mx)
             _quantize(xa, mn, _scale(mn, mx, levels), ca, b)
+    hdr.add_(0.0)  # a zero min or max as +0: which sign a reduction keeps depends on its order (CPU, CUDA)
     out[: HEADER_BYTES * blocks].copy_(hdr.view(-1).view(torch.uint8))
     bad = ~torch.isfinite(hdr).all(dim=1)
     if bool(bad.any()):  # codes 0 for the blocks holding a NaN or Inf (they decode to NaN whatever their codes)

@@ -91,7 +91,8 @@ class ChunkParams:
     __slots__ = ("_fast", "header", "lower", "lowers", "minmax", "scale", "scales")
 
     def __init__(self, minmax: torch.Tensor) -> None:
-        self.minmax = minmax.detach().float().contiguous().clone()
+        # plus 0: a zero min or max as +0 (the sign a reduction keeps depends on its order, so on the device)
+        self.minmax = (minmax.detach().float() + 0.0).contiguous()
         self.header = self.minmax.view(torch.uint8)
         self.scale, self.lower = _scale_lower(self.minmax)
         self.scales: list[float] = self.scale.view(-1).tolist()

@@ -7,7 +7,8 @@ The kernels compute exactly the float32 operations of the CPU code (:mod:`~bagua
 - no multiply-add is fused into one rounding (the kernels are compiled with ``enable_fp_fusion=False``);
 - rounding to an integer is an addition and subtraction of ``2**23`` (round half to even, as ``torch.round``);
 - torch's ``255.0 / t`` is ``reciprocal(t) * 255``, and the kernels do the same;
-- a NaN in a block or chunk header is the canonical quiet NaN (``0x7fc00000``), as torch's ``amin``/``amax`` give.
+- a NaN in a block or chunk header is the canonical quiet NaN (``0x7fc00000``), as torch's ``amin``/``amax`` give;
+- a zero minimum or maximum is written as +0 (the CPU code adds 0 too: the sign a reduction keeps is its order's).
 
 The kernels are imported on first use. With ``TRITON_INTERPRET=1`` set before Triton is first imported (Triton reads
 it once), they run on CPU tensors through Triton's interpreter: the CI equality tests do this. :func:`enabled` says whether the codecs use the
@@ -104,8 +105,9 @@ def block_encode(x: torch.Tensor, codec: str, block_size: int, out: torch.Tensor
     per_block = block_size if not pack else (block_size + 1) // 2
     width = _pow2(per_block)
     kernel = _k().block_encode_u4 if pack else _k().block_encode_u8
-    _launch(kernel, (blocks,), x, hdr, out[header:], n, block_size, per_block, LEVELS=levels, WIDTH=width,
-            num_warps=_warps(width))
+    for first, count, m, codes in _runs(n, block_size, per_block, header):
+        _launch(kernel, (count,), x[first * block_size:], hdr[2 * first:], out[codes:], m, (m + 1) // 2,
+                per_block, LEVELS=levels, WIDTH=width, num_warps=_warps(block_size))
     if tmp:
         out[:header].copy_(hdr.view(torch.uint8))
     return out
@@ -126,13 +128,27 @@ def block_decode(wire: torch.Tensor, numel: int, codec: str, block_size: int, ou
     per_block = block_size if not pack else (block_size + 1) // 2
     width = _pow2(per_block)
     kernel = _k().block_decode_u4 if pack else _k().block_decode_u8
-    _launch(kernel, (blocks,), wire[header:], hdr, out, numel, block_size, per_block, LEVELS=_LEVELS[codec],
-            ACCUMULATE=accumulate, WIDTH=width, num_warps=_warps(width))
+    for first, count, m, codes in _runs(numel, block_size, per_block, header):
+        _launch(kernel, (count,), wire[codes:], hdr[2 * first:], out[first * block_size:], m, (m + 1) // 2,
+                per_block, LEVELS=_LEVELS[codec], ACCUMULATE=accumulate, WIDTH=width, num_warps=_warps(block_size))
     return out
 
 
-def _warps(width: int) -> int:
-    return 4 if width <= 2048 else 8
+def _runs(n: int, block_size: int, per_block: int, header: int) -> list[tuple[int, int, int, int]]:
+    """``(first block, blocks, elements per block, code byte offset)`` of the full blocks, then the short last one.
+
+    One launch per run: every block of a launch has the same length, so its halves (uint4) start at a multiple of
+    16 elements that Triton knows of, and loads and stores are vectorized (2048 at the default block)."""
+    full, tail = divmod(n, block_size)
+    runs = [(0, full, block_size, header)] if full else []
+    if tail:
+        runs.append((full, 1, tail, header + full * per_block))
+    return runs
+
+
+def _warps(block_size: int) -> int:
+    # by the elements a program holds: a uint4 block of 4096 is two halves of 2048, and wants 8 warps as uint8's
+    return 4 if block_size <= 2048 else 8
 
 
 def chunks_minmax(x: torch.Tensor) -> torch.Tensor:
