@@ -1,0 +1,125 @@
+"""The measured tables behind the advisor: per host count, one row per emulated link, with its pick.
+
+Each row is one link of the time-to-target tables in docs/benchmarks.md (the 10.8 M-parameter GPT trained to
+validation loss 2.40, medians of 3 seeds, one rank per host, ``hierarchical=False``) and of the README's "Which
+algorithm for my link" table. A row carries DDP's **communication-to-compute ratio** at that link (the tables'
+last row: one uncompressed ring allreduce of the GPT's fp32 gradient, from the cost model, over its measured
+compute step), which is what carries over from the emulated hosts to a user's cluster
+(docs/benchmarks.md#the-gpu-mapping-column): a user whose measured ratio is nearest a row's sees what that row saw.
+
+The figures are copied from those tables, not recomputed; ``benchmarks/`` (not installed) holds the campaigns
+that measured them.
+
+Example:
+    >>> [row.link for row in TABLES[2]]
+    ['unshaped', '1 Gbit/s', '100 Mbit/s', '10 Mbit/s']
+    >>> TABLES[4][2].algorithm, TABLES[4][2].vs_ddp
+    ('diloco', 3.59)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["TableRow", "TABLES", "GPT_PARAMS", "STREAMING_DILOCO", "PLAIN_DILOCO", "BENCHMARKS_DOC"]
+
+#: Parameters of the benchmark GPT the tables were measured on (docs/results/to-target-gpt-*.json).
+GPT_PARAMS = 10_795_008
+BENCHMARKS_DOC = "docs/benchmarks.md"
+
+# The README's settings strings, verbatim.
+STREAMING_DILOCO = ('sync_every=10, outer_lr=1.0, outer_momentum=0.0, compression="uint4", fragments=2, '
+                    'overlap_steps=3')
+PLAIN_DILOCO = 'sync_every=10, outer_lr=1.0, outer_momentum=0.0, compression="uint4"'
+
+
+@dataclass(frozen=True)
+class TableRow:
+    """One emulated link of one host count, and what won there.
+
+    Args:
+        hosts: hosts of the table (2 or 4).
+        link: the emulated link, as the tables name it ("10 Mbit/s", "unshaped").
+        rate_bps: its rate in bits per second; ``None`` for unshaped (the hosts' software stack alone).
+        ddp_ratio: DDP's communication-to-compute ratio there (the tables' last row).
+        gpu_setting: the GPU setting with the same ratio (nodes of 8 H100 and the per-node link).
+        pick: the pick, as the README names it ("streaming diloco").
+        algorithm: its registry name (``Algorithm.init(algorithm, ...)``).
+        settings: its settings, the README's string ("defaults" when none).
+        vs_ddp: its median time to target against DDP's (higher is better).
+        why: why it won there, in one sentence from the tables' notes.
+        alternatives: other rows of the same column worth knowing, with their ratios.
+        evidence: the section of docs/benchmarks.md with the runs.
+    """
+
+    hosts: int
+    link: str
+    rate_bps: Optional[int]
+    ddp_ratio: float
+    gpu_setting: str
+    pick: str
+    algorithm: str
+    settings: str
+    vs_ddp: float
+    why: str
+    alternatives: tuple[str, ...]
+    evidence: str
+
+
+_AT2 = f"{BENCHMARKS_DOC}#time-to-target-at-2-hosts-per-link"
+_AT4 = f"{BENCHMARKS_DOC}#time-to-target-at-4-hosts-per-link"
+_ALLREDUCE = f"{BENCHMARKS_DOC}#baguas-gradient-allreduce-run-to-the-target-2026-11-27"
+_DECENTRALIZED = f"{BENCHMARKS_DOC}#decentralized-sgd-to-the-same-target-2026-11-26-3-seeds"
+
+_TWO_HOSTS = (
+    TableRow(2, "unshaped", None, 0.093, "below 2 x 8 H100's latency floor", "gradient_allreduce (or torch DDP)",
+             "gradient_allreduce", "defaults", 1.05,
+             "communication is under a tenth of the step, so nothing has much to save; gradient allreduce is DDP's "
+             "maths and ran DDP's run bit for bit",
+             ("streaming diloco 1.09x, within DDP's spread",), _ALLREDUCE),
+    TableRow(2, "1 Gbit/s", 10**9, 0.53, "2 x 8 H100 at 199 Gbit/s", "decentralized", "decentralized",
+             "hierarchical=False", 1.35,
+             "communication is about half of the compute; decentralized SGD reached the target in fewer steps "
+             "(440 against 500) and was faster than DDP on every seed",
+             (f"streaming diloco ({STREAMING_DILOCO}) 1.31x, within decentralized's spread",
+              "bytegrad (error_feedback=True) 1.15x, if every step must be synchronous"), _DECENTRALIZED),
+    TableRow(2, "100 Mbit/s", 10**8, 5.2, "2 x 8 H100 at 15 Gbit/s", "streaming diloco", "diloco",
+             STREAMING_DILOCO, 5.95,
+             "communication is five times the compute; streaming DiLoCo exchanges half the model in 4 bits every "
+             "5 steps behind 3 inner steps, at DDP's step count",
+             (f"plain diloco ({PLAIN_DILOCO}) 5.29x",
+              "bytegrad (error_feedback=True) 3.27x, if every step must be synchronous"), _AT2),
+    TableRow(2, "10 Mbit/s", 10**7, 52.0, "2 x 8 H100 at 1.5 Gbit/s", "streaming diloco", "diloco",
+             STREAMING_DILOCO, 52.5,
+             "communication is fifty times the compute; only the systems that communicate every few steps keep "
+             "the step near compute, and streaming DiLoCo hides its exchange behind inner steps",
+             (f"plain diloco ({PLAIN_DILOCO}) 30.4x", "async 27.2x"), _AT2),
+)
+
+_FOUR_HOSTS = (
+    TableRow(4, "unshaped", None, 0.13, "below 4 x 8 H100's latency floor", "gradient_allreduce (or torch DDP)",
+             "gradient_allreduce", "defaults", 0.85,
+             "nothing beat DDP at 4 hosts on a fast link; gradient allreduce is DDP's maths (its 0.85x is one "
+             "seed of three taking 80 more steps; torch DDP itself is 1.00x)",
+             ("plain diloco 0.95x, within DDP's spread",), _ALLREDUCE),
+    TableRow(4, "1 Gbit/s", 10**9, 0.35, "4 x 8 H100 at 1158 Gbit/s", "gradient_allreduce (or torch DDP)",
+             "gradient_allreduce", "defaults", 0.85,
+             "at 4 hosts nothing beat DDP on every seed: DDP's global batch doubles (320 steps to the target) "
+             "while DiLoCo's workers still step on one host's batch",
+             ("plain diloco 1.01x, within DDP's spread",), _AT4),
+    TableRow(4, "100 Mbit/s", 10**8, 3.5, "4 x 8 H100 at 25 Gbit/s", "plain diloco", "diloco", PLAIN_DILOCO, 3.59,
+             "communication is three to four times the compute; plain DiLoCo reached the target in fewer steps "
+             "than streaming at 4 hosts (380 against 440), which outweighs streaming's hidden exchange here",
+             (f"streaming diloco ({STREAMING_DILOCO}) 3.19x",
+              "bytegrad (error_feedback=True) 2.23x, if every step must be synchronous"), _AT4),
+    TableRow(4, "10 Mbit/s", 10**7, 35.0, "4 x 8 H100 at 2.3 Gbit/s", "streaming diloco", "diloco",
+             STREAMING_DILOCO, 29.0,
+             "communication is thirty-five times the compute; streaming DiLoCo's exchange hides behind its inner "
+             "steps, which outweighs the extra steps it needs at 4 hosts",
+             (f"plain diloco ({PLAIN_DILOCO}) 21.1x", "async 12.0x",
+              "bytegrad (error_feedback=True) 2.91x, if every step must be synchronous"), _AT4),
+)
+
+#: The rows of each measured host count, fastest link first.
+TABLES: dict[int, tuple[TableRow, ...]] = {2: _TWO_HOSTS, 4: _FOUR_HOSTS}
