@@ -148,6 +148,22 @@ def test_minmax_uint8_segments_of_column_slices(device):
     assert_same_bits(decoded, expected)
 
 
+def test_minmax_uint8_codes_of_pieces(device):
+    """Gradients in separate tensors encoded with their chunk's parameters, codes only (ByteGrad's buckets)."""
+    x = _chunk_rows()[2:4, :3000]
+    params = mm.ChunkParams(mm.chunk_minmax(x))
+    pieces = [x[1, :700], x[1, 700:701], x[1, 701:]]
+    expected = torch.empty(3000, dtype=torch.uint8)
+    mm.encode_pieces(pieces, expected, params, 1, None)
+    got = torch.full((3000,), 7, dtype=torch.uint8, device=device)
+    offset = 0
+    for piece in pieces:
+        tk.chunks_encode(piece.to(device).view(1, -1), got[offset : offset + piece.numel()].view(1, -1),
+                         params.minmax[1:2].to(device), header=False)
+        offset += piece.numel()
+    assert torch.equal(got.cpu(), expected)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETING, reason="needs CUDA, and Triton loaded compiled")
 def test_codecs_take_the_kernels_on_cuda_and_match_the_eager_path(monkeypatch):

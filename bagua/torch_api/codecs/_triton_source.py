@@ -201,7 +201,7 @@ def _chunk_params(mn, mx):
 
 
 @triton.jit
-def chunks_encode(x_ptr, mm_ptr, wire_ptr, length, xstride, wstride, TILE: tl.constexpr):
+def chunks_encode(x_ptr, mm_ptr, wire_ptr, length, xstride, wstride, HEADER: tl.constexpr, TILE: tl.constexpr):
     row = tl.program_id(0)
     t = tl.program_id(1)
     mn = tl.load(mm_ptr + 2 * row) + 0.0  # ChunkParams: a zero min or max is +0
@@ -213,11 +213,12 @@ def chunks_encode(x_ptr, mm_ptr, wire_ptr, length, xstride, wstride, TILE: tl.co
     # minmax_uint8._encode_whole: clamp(round(x * scale) - lower, 0, 255)
     v = tl.minimum(tl.maximum(_rint(x * scale) - lower, 0.0), 255.0)
     wrow = wire_ptr + row.to(tl.int64) * wstride
-    tl.store(wrow + 8 + offs, v.to(tl.int32).to(tl.uint8), mask=mask)
-    if t == 0:  # the header: the float32 bytes of min and max, little-endian
-        j = tl.arange(0, 8)
-        word = tl.where(j < 4, mn.to(tl.int32, bitcast=True), mx.to(tl.int32, bitcast=True))
-        tl.store(wrow + j, ((word >> (8 * (j % 4))) & 0xFF).to(tl.uint8))
+    tl.store(wrow + 8 * HEADER + offs, v.to(tl.int32).to(tl.uint8), mask=mask)
+    if HEADER:
+        if t == 0:  # the header: the float32 bytes of min and max, little-endian
+            j = tl.arange(0, 8)
+            word = tl.where(j < 4, mn.to(tl.int32, bitcast=True), mx.to(tl.int32, bitcast=True))
+            tl.store(wrow + j, ((word >> (8 * (j % 4))) & 0xFF).to(tl.uint8))
 
 
 @triton.jit

@@ -226,7 +226,10 @@ def encode_pieces(
         out = codes[offset : offset + piece.numel()]
         offset += piece.numel()
         xf = piece if piece.dtype == torch.float32 else piece.float()
-        if _blocked(xf):
+        if _fused(xf, out) and xf.numel():
+            triton_kernels.chunks_encode(xf.view(1, -1), out.view(1, -1),
+                                         params.minmax[row : row + 1].to(xf.device), header=False)
+        elif _blocked(xf):
             _encode_blocked(xf, out, params, row, _scratch(work, 2 * min(xf.numel(), BLOCK), xf.device))
         else:
             _encode_whole(xf, out, params.scale[row], params.lower[row], _scratch(work, xf.numel(), xf.device))

@@ -163,12 +163,13 @@ def chunks_minmax(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def chunks_encode(x: torch.Tensor, wire: torch.Tensor, minmax: torch.Tensor) -> None:
+def chunks_encode(x: torch.Tensor, wire: torch.Tensor, minmax: torch.Tensor, header: bool = True) -> None:
     """Write the MinMaxUInt8 wire of the rows of the float32 ``x`` (``(n, L)``, rows of unit stride) with their
-    ``(n, 2)`` ``minmax`` (see :func:`bagua.torch_api.codecs.minmax_uint8.encode_chunks`)."""
+    ``(n, 2)`` ``minmax`` (see :func:`bagua.torch_api.codecs.minmax_uint8.encode_chunks`); without ``header``,
+    only the codes, into ``wire`` of shape ``(n, L)`` (:func:`~bagua.torch_api.codecs.minmax_uint8.encode_pieces`)."""
     n, length = x.shape
     _launch(_k().chunks_encode, (n, -(-length // _TILE)), x, minmax, wire, length, x.stride(0), wire.stride(0),
-            TILE=_TILE, num_warps=4)
+            HEADER=header, TILE=_TILE, num_warps=4)
 
 
 def chunks_decode(wire: torch.Tensor, out: torch.Tensor, accumulate: bool,
