@@ -52,6 +52,22 @@ def _hyper(**kwargs: Any) -> DiLoCoAlgorithm:
     return hyper
 
 
+def _check_fault_tolerance(hyper: DiLoCoAlgorithm, process_group: Any) -> None:
+    """Refuse, before anything is built, what fault-tolerant DiLoCo does not run (yet), saying why."""
+    unsupported = {
+        "overlap_steps": (hyper.overlap_steps, 0, "a round is retried from its pseudo-gradient, run inline"),
+        "compression": (hyper.compression, "none", "residuals of a failed round cannot be rolled back yet"),
+        "warmup_steps": (hyper.warmup_steps, 0, "a warm-up averages gradients over a fixed world"),
+        "process_group": (process_group, None, "the workers share no torch world; each is one process"),
+    }
+    for name, (value, needed, why) in unsupported.items():
+        if value != needed:
+            raise ValueError(f"DiLoCoOptimizer(fault_tolerance=...) needs {name}={needed!r}, got {value!r}: {why}")
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError("DiLoCoOptimizer(fault_tolerance=...): each worker is one process (a job of its own); this "
+                         f"process is in a torch world of {dist.get_world_size()} ranks. Start one process per worker")
+
+
 class DiLoCoOptimizer(torch.optim.Optimizer):
     """Wrap an optimizer so that every ``sync_every`` of its steps end with DiLoCo's outer step.
 
@@ -73,6 +89,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         offload_outer_state: keep the global weights and the outer optimizer's state in CPU memory.
         process_group: the ranks to synchronize (``None``: the default group; a torch ``ProcessGroup`` or a
             ``BaguaProcessGroup``).
+        fault_tolerance: a :class:`~bagua.torch_api.fault.replica.FaultTolerance`: this process is one worker
+            of a job whose workers fail alone; each synchronization runs over the live workers, and building the
+            optimizer joins the job (the first worker's weights at the start, a live peer's state later).
 
     The meaning of each hyper-parameter is that of :class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithm`.
 
@@ -107,6 +126,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         warmup_steps: int = 0,
         offload_outer_state: bool = False,
         process_group: Any = None,
+        fault_tolerance: Any = None,
     ) -> None:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise ValueError(f"DiLoCoOptimizer(inner_optimizer=...) must be a torch.optim.Optimizer, e.g. "
@@ -121,11 +141,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             offload_outer_state=offload_outer_state,
         )
         # internal state: the driver (DiLoCo's outer loop, shared with DiLoCoAlgorithm) on a group of its own
-        self.ranks = group_ranks(process_group, "DiLoCoOptimizer")
-        worker = CommWorker("bagua-diloco-optimizer", None) if overlap_steps > 0 else None
-        self.driver = DiLoCoDriver(self.hyper, "DiLoCoOptimizer", communicator=own_communicator(self.ranks),
-                                   worker=worker)
-        release_at_exit(self)
+        if fault_tolerance is not None:
+            _check_fault_tolerance(self.hyper, process_group)
+            fault_tolerance.optimizer = inner_optimizer
+            self.ranks = [0]
+            self.driver = DiLoCoDriver(self.hyper, "DiLoCoOptimizer", fault=fault_tolerance)
+        else:
+            self.ranks = group_ranks(process_group, "DiLoCoOptimizer")
+            worker = CommWorker("bagua-diloco-optimizer", None) if overlap_steps > 0 else None
+            self.driver = DiLoCoDriver(self.hyper, "DiLoCoOptimizer", communicator=own_communicator(self.ranks),
+                                       worker=worker)
+            release_at_exit(self)
         if warmup_steps == 0:
             self._build_fragments()
 
@@ -218,6 +244,10 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _build_fragments(self, broadcast: bool = True) -> None:
         params = self._parameters()
+        if self.driver.fault is not None:  # join the job: the first worker's weights, or a live peer's state
+            self.driver.build(params)
+            self.driver.fault.join(self.driver)
+            return
         c = self.driver.communicator
         if broadcast and c.group is not None and c.nranks() > 1:  # rank 0's weights everywhere, as with_bagua does
             for p in params:

@@ -78,15 +78,21 @@ def heal_group(ranks: Optional[list[int]] = None, timeout_s: Optional[float] = N
     return _default_group
 
 
-def _torch_group(group: Any, what: str) -> dist.ProcessGroup:
+def _torch_group(group: Any, what: str) -> Any:
     group = group if group is not None else _default_group
     if group is None:
         raise ValueError(f"{what}: no group to send on; call heal_group() on every rank at start-up (collective), "
-                         "or pass group= (a BaguaCommunicator, BaguaProcessGroup or torch ProcessGroup)")
+                         "or pass group= (a BaguaCommunicator, BaguaProcessGroup, torch ProcessGroup or a quorum's "
+                         "ProcessGroupGloo)")
     torch_group = getattr(group, "group", group)  # a BaguaCommunicator / BaguaProcessGroup holds its torch group
-    if not isinstance(torch_group, dist.ProcessGroup):
+    if not isinstance(torch_group, (dist.ProcessGroup, dist.ProcessGroupGloo)):
         raise ValueError(f"{what}: this rank is outside the group given ({group!r})")
     return torch_group
+
+
+def _standalone(group: Any) -> bool:
+    """A gloo group of a fault-tolerant quorum: in no torch world, its ranks are its own (``dst`` is a group rank)."""
+    return isinstance(group, dist.ProcessGroupGloo)
 
 
 # -- the layout: a flat dict of tensors <-> a manifest and one uint8 payload ------------------------------------
@@ -193,30 +199,41 @@ def _wait(work: Any, what: str, peer: int) -> None:
     try:
         work.wait(datetime.timedelta(seconds=timeout))
     except RuntimeError as exc:
-        raise RuntimeError(f"{what}: rank {dist.get_rank()} got no answer from rank {peer} (it died, stalled or "
+        me = dist.get_rank() if dist.is_initialized() else "here"
+        raise RuntimeError(f"{what}: rank {me} got no answer from rank {peer} (it died, stalled or "
                            f"refused; waits are bounded by BAGUA_COMM_TIMEOUT_S={timeout:g} s): {exc}") from exc
 
 
-def _staged(group: dist.ProcessGroup) -> Optional[torch.device]:
+def _staged(group: Any) -> Optional[torch.device]:
     """The device that point-to-point tensors must live on: CUDA for NCCL; ``None`` (CPU as is) for gloo."""
+    if _standalone(group):
+        return None
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else None
 
 
-def _send(t: torch.Tensor, dst: int, group: dist.ProcessGroup, tag: int) -> Any:
+def _isend(t: torch.Tensor, dst: int, group: Any, tag: int) -> Any:
+    return group.send([t], dst, tag) if _standalone(group) else dist.isend(t, dst, group=group, tag=tag)
+
+
+def _irecv(t: torch.Tensor, src: int, group: Any, tag: int) -> Any:
+    return group.recv([t], src, tag) if _standalone(group) else dist.irecv(t, src, group=group, tag=tag)
+
+
+def _send(t: torch.Tensor, dst: int, group: Any, tag: int) -> Any:
     device = _staged(group)
-    return dist.isend(t if device is None else t.to(device), dst, group=group, tag=tag)
+    return _isend(t if device is None else t.to(device), dst, group, tag)
 
 
-def _recv(t: torch.Tensor, src: int, group: dist.ProcessGroup, tag: int, what: str) -> torch.Tensor:
+def _recv(t: torch.Tensor, src: int, group: Any, tag: int, what: str) -> torch.Tensor:
     device = _staged(group)
     wire = t if device is None else torch.empty_like(t, device=device)
-    _wait(dist.irecv(wire, src, group=group, tag=tag), what, src)
+    _wait(_irecv(wire, src, group, tag), what, src)
     if device is not None:
         t.copy_(wire)
     return t
 
 
-def _verdict(ok: bool, dst: int, group: dist.ProcessGroup, tag: int, what: str) -> None:
+def _verdict(ok: bool, dst: int, group: Any, tag: int, what: str) -> None:
     _wait(_send(torch.tensor([int(ok)], dtype=torch.uint8), dst, group, tag), what, dst)
 
 
@@ -298,7 +315,7 @@ def receive_state(src: int, group: Any = None, like: Optional[dict[str, torch.Te
     def post(k: int) -> tuple[Any, torch.Tensor]:
         view = payload[starts[k] : starts[k] + bucket_bytes]
         wire = view if device is None else torch.empty_like(view, device=device)
-        return dist.irecv(wire, src, group=pg, tag=_TAG_BUCKET + k), wire
+        return _irecv(wire, src, pg, _TAG_BUCKET + k), wire
 
     in_flight = [post(k) for k in range(min(_WINDOW, len(starts)))]
     for k, start in enumerate(starts):

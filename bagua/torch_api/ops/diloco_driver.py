@@ -57,7 +57,7 @@ class DiLoCoDriver:
 
     def __init__(self, hyper: Any, owner: str, communicator: Optional[BaguaCommunicator] = None,
                  group: Optional[BaguaProcessGroup] = None, hierarchical: bool = False,
-                 worker: Optional[Any] = None) -> None:
+                 worker: Optional[Any] = None, fault: Optional[Any] = None) -> None:
         # user hyper-parameters
         self.hyper = hyper
         self.owner = owner
@@ -67,6 +67,8 @@ class DiLoCoDriver:
         self.group = group
         self.hierarchical = hierarchical
         self.worker = worker
+        #: a :class:`~bagua.torch_api.fault.replica.FaultTolerance`: each exchange over the round's live workers
+        self.fault = fault
         #: how an exchange leaves the main thread (the engine's ``submit_job`` for the algorithm); None: inline
         self.submit: Optional[Submit] = self._on_worker if worker is not None else None
         # internal state
@@ -122,6 +124,8 @@ class DiLoCoDriver:
         self.steps += 1
         if warm:
             self.processed = self.steps
+        elif self.fault is not None:
+            self.fault.on_step(len(self.fragments))
 
     def end_steps(self) -> None:
         """Do the end-of-step work of every inner step counted and not yet processed: finish the exchanges due,
@@ -134,7 +138,8 @@ class DiLoCoDriver:
                 if fragment.pending is not None and fragment.pending[0] <= step:
                     self._finish(fragment)
             for p in due_fragments(step, H, self._offsets):
-                self._start(self.fragments[p], step + tau)
+                if not self._start(self.fragments[p], step + tau):
+                    return  # left out of the round: healed from a peer, whose counters this rank now holds
                 if tau == 0:
                     self._finish(self.fragments[p])
 
@@ -146,8 +151,13 @@ class DiLoCoDriver:
 
         return CommJob(self.worker, fn, what, cuda=cuda)
 
-    def _start(self, fragment: Fragment, finish_step: int) -> None:
+    def _start(self, fragment: Fragment, finish_step: int) -> bool:
         delta = fragment.pseudo_gradient()
+        if self.fault is not None:  # inline, over the round's live workers
+            if not self.fault.exchange(self, fragment):
+                return False
+            fragment.pending = (finish_step, None)
+            return True
         job = None
         if self.submit is not None:
             job = self.submit(lambda: self._exchange(fragment, delta), f"DiLoCo exchange of fragment {fragment.index}",
@@ -155,6 +165,7 @@ class DiLoCoDriver:
         else:
             self._exchange(fragment, delta)
         fragment.pending = (finish_step, job)
+        return True
 
     def _exchange(self, fragment: Fragment, delta: torch.Tensor) -> None:
         """Average ``delta`` (the fragment's) over the ranks, in place (on the thread :attr:`submit` chose)."""
@@ -172,6 +183,12 @@ class DiLoCoDriver:
         fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
                         self.owner)
         self.syncs += 1
+
+    def finish_now(self, fragment: Fragment) -> None:
+        """Take the outer step of ``fragment`` with the average in its ``delta`` (a worker that healed in a round
+        of fault-tolerant DiLoCo)."""
+        fragment.pending = (self.processed, None)
+        self._finish(fragment)
 
     def _make_workspace(self, fragment: Fragment) -> object:
         c = self.communicator if self.group is None else hierarchy.exchange_communicator(self.group,

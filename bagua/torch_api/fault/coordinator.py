@@ -1,0 +1,79 @@
+"""The coordinator of fault-tolerant workers: torch's ``TCPStore``, served by a process of its own.
+
+Workers that may fail alone agree on each round's members through one ``TCPStore`` (see
+:mod:`~bagua.torch_api.fault.quorum`). It holds small JSON values and counters only; the weights travel between
+the workers. Run it on a machine that outlives the workers (the head node, a small VM)::
+
+    python -m bagua.torch_api.fault.coordinator --host 10.0.0.1 --port 29600
+
+It listens on ``--host`` only (give the address the workers reach, not ``0.0.0.0``) and keeps nothing on disk. When
+it dies, every worker's next store call fails and raises an error naming it; the workers' states are intact, so
+restart the coordinator and then the workers, which start from their checkpoints (the coordinator has no
+failover).
+
+Example:
+    >>> proc = start_coordinator("127.0.0.1", 29600)  # a child process; proc.terminate() stops it  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+__all__ = ["serve", "start_coordinator", "main"]
+
+
+def serve(host: str, port: int, ready: Optional[threading.Event] = None) -> None:
+    """Serve the store at ``host:port`` until SIGTERM or SIGINT."""
+    # torch's store listens on every address unless handed a socket: bind one to ``host`` alone
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(1024)
+    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno(),
+                          timeout=datetime.timedelta(seconds=60))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"bagua fault-tolerance coordinator listening on {host}:{port}", flush=True)
+    if ready is not None:
+        ready.set()
+    while not stop.wait(0.5):
+        pass
+    del store
+    sock.close()
+
+
+def start_coordinator(host: str, port: int, timeout_s: float = 30.0) -> subprocess.Popen:
+    """Start the coordinator as a child process and return once it listens (``terminate()`` stops it)."""
+    proc = subprocess.Popen([sys.executable, "-m", "bagua.torch_api.fault.coordinator", "--host", host,
+                             "--port", str(port)], stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + timeout_s
+    line = proc.stdout.readline() if proc.stdout is not None else ""
+    if "listening" not in line or time.monotonic() > deadline:
+        proc.kill()
+        raise RuntimeError(f"the coordinator did not start on {host}:{port} (port taken?): {line!r}")
+    return proc
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """``python -m bagua.torch_api.fault.coordinator --host H --port P``."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", required=True, help="the address the workers reach (bound to it alone)")
+    parser.add_argument("--port", type=int, default=29600)
+    args = parser.parse_args(argv)
+    serve(args.host, args.port)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Who takes part in a synchronization: a quorum per round, agreed through torch's ``TCPStore``.
+
+Workers that may fail alone are separate jobs with no torch world in common. They meet in a ``TCPStore`` served by
+the coordinator (:mod:`~bagua.torch_api.fault.coordinator`), and at each synchronization agree on the members of
+that round:
+
+1. each arriving worker takes a slot in the quorum (``add`` on a counter) and writes who it is (JSON: id, round,
+   whether it is joining, the samples it contributes);
+2. a non-joining member closes the quorum, by ``compare_set`` on one key so that exactly one list of members wins,
+   as soon as every live worker has arrived, or at its deadline with at least ``min_quorum`` members. A worker is
+   live while its heartbeat (a counter a thread of its own advances every ``heartbeat_s``) moves: a killed or
+   stopped worker stops counting and is not waited for after ``stale_s``;
+3. after the exchange each member reports ``ok`` or ``failed``; one member writes the verdict (``compare_set``
+   again): ``ok`` when no member failed and every member either reported or stopped beating, ``retry`` otherwise,
+   and the survivors run the round again in the next quorum.
+
+Quorums are numbered ``1, 2, ...``; the members of quorum ``k`` go on to ``k + 1`` (the next round or a retry), a
+joiner to the one after the last closed. A worker that finds a quorum closed without it was left out: its state
+is stale and it joins again. Nothing read from the store is unpickled: values are JSON or integers.
+
+Example:
+    >>> q = Quorums("10.0.0.1:29600", worker="site-a", workers=4)  # doctest: +SKIP
+    >>> members = q.wait(q.next_key, {"round": 3, "joining": False, "samples": 800})  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import json
+import statistics
+import threading
+import time
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+__all__ = ["Quorums", "Excluded", "CoordinatorLost", "connect_store"]
+
+_POLL_S = 0.02
+
+
+class Excluded(Exception):
+    """This worker's quorum closed without it: its state is stale, it must join again."""
+
+
+class CoordinatorLost(RuntimeError):
+    """The coordinator's store stopped answering (it died, or the network to it is down)."""
+
+
+def connect_store(address: str, timeout_s: float, what: str) -> dist.TCPStore:
+    """A client of the coordinator's ``TCPStore`` at ``"host:port"``, with a clear error when it is not there."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{what}: coordinator={address!r} must be 'host:port', e.g. '10.0.0.1:29600'")
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    except (RuntimeError, TimeoutError) as e:
+        raise RuntimeError(f"{what}: no coordinator answers at {address} within {timeout_s:g} s; start one with "
+                           f"`python -m bagua.torch_api.fault.coordinator --host {host} --port {port}` ({e})") from e
+
+
+class _Heartbeat(threading.Thread):
+    """Advance ``hb/<worker>`` every ``period_s`` on a store connection of its own, until stopped."""
+
+    def __init__(self, address: str, key: str, period_s: float, timeout_s: float) -> None:
+        super().__init__(name="bagua-ft-heartbeat", daemon=True)
+        self.store = connect_store(address, timeout_s, "heartbeat")
+        self.key, self.period_s = key, period_s
+        self.stopped = threading.Event()
+        self.store.add(key, 1)
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.period_s):
+            try:
+                self.store.add(self.key, 1)
+            except Exception:  # noqa: BLE001 - the coordinator is gone: the next store call of the worker says so
+                return
+
+
+class Quorums:
+    """This worker's view of the job's quorums (see the module docstring).
+
+    Args:
+        coordinator: ``"host:port"`` of the coordinator's store.
+        worker: this worker's id, unique in the job and the same after a restart (``"site-a"``); members are
+            ordered by id, which fixes their ranks.
+        workers: the job's number of workers, which the first quorum waits for.
+        min_quorum: the fewest members a round goes on with; fewer wait (up to ``timeout_s``).
+        deadline_s: how long a member waits for the live workers that have not arrived; ``None``: adaptive,
+            ``slack`` times the median time between this worker's last rounds, at least ``min_deadline_s``.
+        heartbeat_s, stale_s: a worker beats every ``heartbeat_s`` and counts as dead after ``stale_s`` without.
+        timeout_s: the most any wait takes before it raises (the first quorum, a quorum below ``min_quorum``, a
+            store that stopped answering).
+        prefix: the job's keys in the store (several jobs may share one coordinator).
+    """
+
+    def __init__(self, coordinator: str, worker: str, workers: int, min_quorum: int = 1,
+                 deadline_s: Optional[float] = None, min_deadline_s: float = 2.0, slack: float = 0.5,
+                 heartbeat_s: float = 0.5, stale_s: float = 3.0, timeout_s: float = 300.0,
+                 prefix: str = "bagua-ft") -> None:
+        if not worker or "/" in worker:
+            raise ValueError(f"worker={worker!r} must be a non-empty id without '/', e.g. 'site-a'")
+        if not 1 <= min_quorum <= workers:
+            raise ValueError(f"min_quorum={min_quorum} must be between 1 and workers={workers}")
+        if stale_s <= 2 * heartbeat_s:
+            raise ValueError(f"stale_s={stale_s} must exceed twice heartbeat_s={heartbeat_s}")
+        # user settings
+        self.address, self.worker, self.workers, self.min_quorum = coordinator, worker, workers, min_quorum
+        self.deadline_s, self.min_deadline_s, self.slack = deadline_s, min_deadline_s, slack
+        self.stale_s, self.timeout_s, self.prefix = stale_s, timeout_s, prefix.rstrip("/")
+        # the store, this worker's registration and heartbeat
+        self.store = connect_store(coordinator, timeout_s, f"worker {worker!r}")
+        self.store.set(self._k(f"workers/{self.store.add(self._k('workers/n'), 1)}"), worker)
+        self.heartbeat = _Heartbeat(coordinator, self._k(f"hb/{worker}"), heartbeat_s, timeout_s)
+        self.heartbeat.start()
+        atexit.register(self.close)  # a worker that raises stops beating before the interpreter is torn down
+        # internal state
+        self.next_key = 0  # the quorum this worker takes part in next (0: not yet joined)
+        self.previous: Optional[dict[str, Any]] = None  # the last quorum whose verdict was ok, and its members
+        self._seen: dict[str, tuple[int, float]] = {}  # worker -> (heartbeat, when it last moved), as seen here
+        self._arrivals: list[float] = []  # when this worker arrived at its last rounds
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}"
+
+    def _get(self, key: str) -> Optional[str]:
+        full = self._k(key)
+        return self.store.get(full).decode() if self.store.check([full]) else None
+
+    # -- who is alive ------------------------------------------------------------------------------------------
+
+    def registered(self) -> list[str]:
+        """The ids of every worker that ever registered with the job."""
+        n = int(self.store.add(self._k("workers/n"), 0))
+        keys = [self._k(f"workers/{i}") for i in range(1, n + 1)]
+        present = [k for k in keys if self.store.check([k])]
+        return sorted({v.decode() for v in self.store.multi_get(present)}) if present else []
+
+    def live(self) -> set[str]:
+        """The workers whose heartbeat moved within ``stale_s`` as seen from here (this worker always)."""
+        now, alive = time.monotonic(), {self.worker}
+        ids = self.registered()
+        beats = self.store.multi_get([self._k(f"hb/{w}") for w in ids]) if ids else []
+        for w, raw in zip(ids, beats):
+            value = int(raw.decode() or 0)
+            seen = self._seen.get(w)
+            if seen is None or seen[0] != value:
+                self._seen[w] = seen = (value, now)
+            if now - seen[1] < self.stale_s:
+                alive.add(w)
+        return alive
+
+    # -- a quorum ----------------------------------------------------------------------------------------------
+
+    def latest(self) -> int:
+        """The key of the last quorum that closed (0: none yet)."""
+        value = self._guarded(self._get, "latest")
+        return int(value) if value is not None else 0
+
+    def deadline(self) -> float:
+        """How long a member waits for live workers that have not arrived (see ``deadline_s``)."""
+        if self.deadline_s is not None:
+            return self.deadline_s
+        gaps = [b - a for a, b in zip(self._arrivals, self._arrivals[1:])]
+        return max(self.min_deadline_s, self.slack * statistics.median(gaps)) if gaps else self.min_deadline_s
+
+    def wait(self, key: int, me: dict[str, Any]) -> dict[str, Any]:
+        """Take a slot in quorum ``key``: see :meth:`_wait`; a lost coordinator raises :class:`CoordinatorLost`."""
+        return self._guarded(self._wait, key, me)
+
+    def report(self, quorum: dict[str, Any], ok: bool) -> bool:
+        """Report this member's exchange: see :meth:`_report`; a lost coordinator raises :class:`CoordinatorLost`."""
+        return self._guarded(self._report, quorum, ok)
+
+    def _guarded(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except dist.DistError as exc:
+            raise CoordinatorLost(
+                f"worker {self.worker!r}: the coordinator at {self.address} stopped answering ({exc}). Every worker "
+                "stops here with its state intact: restart the coordinator, then the workers from their "
+                "checkpoints") from exc
+
+    def _wait(self, key: int, me: dict[str, Any]) -> dict[str, Any]:
+        """Take a slot in quorum ``key`` as ``me`` (``round``, ``joining``, ``samples``, ``fragment``) and return the
+        closed quorum: ``{"key", "members": [{"id", ...}], "epoch", "first"}``; raise :class:`Excluded` when it
+        closed without this worker, ``TimeoutError`` past ``timeout_s``."""
+        me = dict(me, id=self.worker)
+        slot = self.store.add(self._k(f"q/{key}/n"), 1)
+        self.store.set(self._k(f"q/{key}/slot/{slot}"), json.dumps(me))
+        start = time.monotonic()
+        if not me["joining"]:
+            self._arrivals = (self._arrivals + [start])[-8:]
+        first = self._get("started") is None  # no round succeeded yet: the job's start waits for every worker
+        while True:
+            closed = self._get(f"q/{key}/closed")
+            if closed is not None:
+                quorum = json.loads(closed)
+                if all(m["id"] != self.worker for m in quorum["members"]):
+                    raise Excluded(f"worker {self.worker!r}: quorum {key} closed without it")
+                return quorum
+            if not me["joining"] or first:
+                self._maybe_close(key, start, first)
+            if time.monotonic() - start > self.timeout_s:
+                arrived = [m["id"] for m in self._arrived(key)]
+                need = self.workers if first else self.min_quorum
+                raise TimeoutError(
+                    f"worker {self.worker!r}: quorum {key} did not close within {self.timeout_s:g} s: {arrived} "
+                    f"arrived, {need} needed ({'the first quorum waits for every worker' if first else 'min_quorum'}); "
+                    "start the missing workers, or lower min_quorum")
+            time.sleep(_POLL_S)
+
+    def _arrived(self, key: int) -> list[dict[str, Any]]:
+        n = int(self.store.add(self._k(f"q/{key}/n"), 0))
+        keys = [self._k(f"q/{key}/slot/{i}") for i in range(1, n + 1)]
+        present = [k for k in keys if self.store.check([k])]  # a slot taken a moment ago may not be written yet
+        members = {}
+        for raw in (self.store.multi_get(present) if present else []):
+            m = json.loads(raw.decode())
+            members[m["id"]] = m  # a worker that restarted within the quorum: its last slot
+        return [members[w] for w in sorted(members)]
+
+    def _maybe_close(self, key: int, start: float, first: bool) -> None:
+        arrived = self._arrived(key)
+        ids = {m["id"] for m in arrived}
+        if first:
+            ready = len(ids) >= self.workers
+        else:
+            enough = len(ids) >= self.min_quorum and any(not m["joining"] for m in arrived)
+            ready = enough and (self.live() <= ids or time.monotonic() - start >= self.deadline())
+        if not ready:
+            return
+        prev = self.previous
+        # the last round's group serves again when it succeeded just before with the same members
+        same = prev is not None and prev["key"] == key - 1 and [m["id"] for m in prev["members"]] == sorted(ids)
+        record = {"key": key, "members": arrived, "epoch": prev["epoch"] if same else key, "first": first}
+        full = self._k(f"q/{key}/closed")
+        self.store.compare_set(full, "", json.dumps(record))
+        latest = self._k("latest")
+        current = self.store.compare_set(latest, "", str(key)).decode()
+        while int(current or 0) < key:  # only ever forward
+            current = self.store.compare_set(latest, current, str(key)).decode()
+
+    # -- the verdict of a round --------------------------------------------------------------------------------
+
+    def _report(self, quorum: dict[str, Any], ok: bool) -> bool:
+        """Report this member's exchange as ``ok`` or failed and return the round's verdict (True: everyone
+        alive holds the result; False: the survivors retry in the next quorum)."""
+        key = quorum["key"]
+        self.store.set(self._k(f"q/{key}/done/{self.worker}"), "ok" if ok else "failed")
+        ids = [m["id"] for m in quorum["members"]]
+        start = time.monotonic()
+        while True:
+            verdict = self._get(f"q/{key}/verdict")
+            if verdict is not None:
+                self.next_key = key + 1
+                if verdict == "ok":
+                    self.previous = quorum
+                    self.store.set(self._k("started"), "1")
+                return verdict == "ok"
+            done = {w: self._get(f"q/{key}/done/{w}") for w in ids}
+            failed = any(v == "failed" for v in done.values())
+            live = self.live()
+            if failed or all(v is not None or w not in live for w, v in done.items()):
+                self.store.compare_set(self._k(f"q/{key}/verdict"), "", "retry" if failed else "ok")
+                continue
+            if time.monotonic() - start > self.timeout_s:
+                raise TimeoutError(f"worker {self.worker!r}: no verdict on quorum {key} within {self.timeout_s:g} s")
+            time.sleep(_POLL_S)
+
+    def close(self) -> None:
+        """Stop the heartbeat (the others then stop waiting for this worker after ``stale_s``)."""
+        self.heartbeat.stopped.set()
+        if self.heartbeat.is_alive() and self.heartbeat is not threading.current_thread():
+            self.heartbeat.join(timeout=2 * self.stale_s)

@@ -1,0 +1,91 @@
+"""One worker of a fault-tolerant DiLoCo job: tests/fault/test_quorum.py starts, kills, stops and restarts it.
+
+``--die inner:S`` SIGKILLs this process before its inner step S, ``--die exchange:N`` at the start of its N-th
+average (the quorum closed, the peers already in the allreduce), ``--die serve`` as it sends the first bucket of a
+state to a joiner; ``--stall S`` SIGSTOPs it before step S (the test sends SIGCONT). At the end it saves its
+global weights, weights, counters and statistics to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import time
+
+import torch
+
+from tests.torch_api.models import batch, make_model
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--coordinator", required=True)
+    ap.add_argument("--index", type=int, required=True)
+    ap.add_argument("--workers", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--sync-every", type=int, default=4)
+    ap.add_argument("--fragments", type=int, default=1)
+    ap.add_argument("--min-quorum", type=int, default=1)
+    ap.add_argument("--step-s", type=float, default=0.0)
+    ap.add_argument("--die", default="")
+    ap.add_argument("--stall", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    from bagua.torch_api.contrib.diloco_optimizer import DiLoCoOptimizer
+    from bagua.torch_api.fault import FaultTolerance, transfer
+    from bagua.torch_api.fault.replica import FaultTolerance as _FT
+
+    kind, _, at = args.die.partition(":")
+    if kind == "exchange":
+        calls, average = [0], _FT._average
+
+        def dying_average(self, *a, **k):
+            calls[0] += 1
+            if calls[0] == int(at):
+                _die()
+            return average(self, *a, **k)
+
+        _FT._average = dying_average
+    elif kind == "serve":
+        transfer._before_bucket_send = lambda k, bucket: _die()
+
+    ft = FaultTolerance(args.coordinator, worker=f"w{args.index}", workers=args.workers,
+                        min_quorum=args.min_quorum, deadline_s=None, exchange_timeout_s=5.0, heartbeat_s=0.2,
+                        stale_s=1.5, timeout_s=60.0)
+    model = make_model(args.index)
+    inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+    opt = DiLoCoOptimizer(inner, sync_every=args.sync_every, fragments=args.fragments, fault_tolerance=ft)
+    while opt.steps < args.steps:
+        step = opt.steps + 1
+        if kind == "inner" and step == int(at):
+            _die()
+        if args.stall and step == args.stall:
+            os.kill(os.getpid(), signal.SIGSTOP)
+        x, y = batch(args.index, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        rounds = ft.rounds
+        opt.step()
+        if ft.rounds != rounds:
+            print(f"round {ft.rounds} done", flush=True)
+        if args.step_s:
+            time.sleep(args.step_s)
+    d = opt.driver
+    torch.save({
+        "global": [f.global_.clone() for f in d.fragments],
+        "params": [p.detach().clone() for p in model.parameters()],
+        "steps": d.steps, "syncs": d.syncs,
+        "stats": {"rounds": ft.rounds, "retries": ft.retries, "heals": ft.heals, "served": ft.served,
+                  "left_out": ft.left_out, "members": ft.members},
+    }, args.out)
+    ft.close()
+
+
+if __name__ == "__main__":
+    main()

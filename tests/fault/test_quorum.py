@@ -1,0 +1,161 @@
+"""Workers that fail alone: 3 DiLoCo workers, each a process of its own, a coordinator, kills and stalls.
+
+Every worker is started as a separate process (no torch world in common), as separate launcher jobs would be. The
+checks read what each worker saved at the end:
+
+- without failures, the global weights equal plain ``DiLoCoOptimizer`` in one 3-rank torch world, bit for bit;
+- with a worker SIGKILLed during its inner steps, at the start of an exchange (its peers already in the allreduce)
+  or while it heals another, and restarted: the survivors finish every round without raising, the restarted worker
+  heals from a peer, and after the last synchronization all three hold the same global weights, bit for bit;
+- a worker SIGSTOPped past the deadline is left out, then readmitted (it heals) after SIGCONT;
+- a coordinator that dies gives every worker a clear error, never a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bagua.torch_api.fault.coordinator import start_coordinator
+from tests.harness import run_workers
+from tests.torch_api.models import batch, make_model
+
+ROOT = Path(__file__).resolve().parents[2]
+WORKERS, STEPS, H = 3, 48, 4
+PACED = ["--step-s", "0.25"]  # 12 s of rounds: time for a killed worker to restart and rejoin
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(i: int, port: int, out: Path, extra: list[str], log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tests.fault.ft_worker", "--coordinator", f"127.0.0.1:{port}", "--index", str(i),
+           "--workers", str(WORKERS), "--steps", str(STEPS), "--sync-every", str(H), "--out", str(out), *extra]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT)
+
+
+def _stopped(p: subprocess.Popen) -> bool:
+    try:
+        return Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (OSError, IndexError):
+        return False
+
+
+def _job(tmp_path: Path, extra: dict[int, list[str]], restart: bool = False, stall_s: float = 0.0,
+         kill_coordinator: bool = False, timeout_s: float = 150.0) -> tuple[list[dict], dict[int, int]]:
+    """Run the job; restart a worker that was SIGKILLed (once); SIGCONT a stopped one after ``stall_s``; with
+    ``kill_coordinator``, SIGKILL the coordinator once every worker has finished its second round."""
+    port = _free_port()
+    coordinator = start_coordinator("127.0.0.1", port)
+    outs = [tmp_path / f"w{i}.pt" for i in range(WORKERS)]
+    logs = [tmp_path / f"w{i}.log" for i in range(WORKERS)]
+    procs = {i: _spawn(i, port, outs[i], extra.get(i, []), logs[i]) for i in range(WORKERS)}
+    restarted: set[int] = set()
+    continued: set[int] = set()
+    coordinator_killed = False
+    start = time.monotonic()
+    try:
+        while any(p.poll() is None for p in procs.values()):
+            if kill_coordinator and not coordinator_killed and all(
+                    "round 2 done" in log.read_text() for log in logs):
+                coordinator.kill()
+                coordinator_killed = True
+            for i, p in procs.items():
+                if p.poll() == -signal.SIGKILL and restart and i not in restarted:
+                    restarted.add(i)
+                    procs[i] = _spawn(i, port, outs[i], PACED, logs[i])
+                elif stall_s and i not in continued and _stopped(p):
+                    time.sleep(stall_s)
+                    p.send_signal(signal.SIGCONT)
+                    continued.add(i)
+            if time.monotonic() - start > timeout_s:
+                raise AssertionError(f"the job did not end within {timeout_s} s: " + _tails(logs))
+            time.sleep(0.05)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+        coordinator.kill()
+        coordinator.wait()
+    codes = {i: p.returncode for i, p in procs.items()}
+    if coordinator_killed:
+        return [{"log": logs[i].read_text()} for i in range(WORKERS)], codes
+    assert all(c == 0 for c in codes.values()), f"exit codes {codes}: " + _tails(logs)
+    return [dict(torch.load(o, weights_only=True), log=logs[i].read_text()) for i, o in enumerate(outs)], codes
+
+
+def _tails(logs: list[Path]) -> str:
+    return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-15:]) for p in logs if p.exists())
+
+
+def _same_global(results: list[dict]) -> None:
+    ref = results[0]["global"]
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ref, r["global"])), "the workers' global weights differ"
+        assert r["syncs"] == results[0]["syncs"] and r["steps"] == STEPS
+    assert all(torch.isfinite(g).all() for g in ref)
+
+
+def _reference(rank, world_size):
+    from bagua.torch_api.contrib.diloco_optimizer import DiLoCoOptimizer
+
+    model = make_model(rank)
+    opt = DiLoCoOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), sync_every=H)
+    for step in range(1, STEPS + 1):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return [f.global_.clone() for f in opt.driver.fragments]
+
+
+def test_without_failures_equals_diloco_bit_for_bit(tmp_path):
+    results, _ = _job(tmp_path, {})
+    reference = run_workers(_reference, WORKERS)
+    _same_global(results)
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["global"], reference[0]))
+    for r in results:
+        assert r["stats"]["rounds"] == 1 + STEPS // H and r["stats"]["retries"] == 0
+        assert r["stats"]["members"] == ["w0", "w1", "w2"]
+
+
+@pytest.mark.parametrize("die", ["inner:7", "exchange:2", "serve"])
+def test_killed_worker_rejoins_and_all_agree(tmp_path, die):
+    # "serve": w0 serves the job's first weights to w1 and w2 and dies doing so; w1, w2 retry without it
+    victim = 0 if die == "serve" else 2
+    extra = {i: PACED + (["--die", die] if i == victim else []) for i in range(WORKERS)}
+    results, _ = _job(tmp_path, extra, restart=True)
+    _same_global(results)
+    healed = [1, 2] if die == "serve" else [victim]  # the healed ones: the restarted worker, or w0's pupils
+    assert all(results[i]["stats"]["heals"] >= 1 for i in healed), results[victim]["log"]
+    if die != "inner:7":  # a peer died mid-round: the survivors ran it again
+        assert any(r["stats"]["retries"] >= 1 for i, r in enumerate(results) if i != victim)
+
+
+def test_stalled_worker_is_left_out_then_readmitted(tmp_path):
+    extra = {i: PACED + (["--stall", "6"] if i == 2 else []) for i in range(WORKERS)}
+    results, _ = _job(tmp_path, extra, stall_s=4.0)
+    _same_global(results)
+    assert results[2]["stats"]["left_out"] >= 1 and results[2]["stats"]["heals"] >= 1, results[2]["log"]
+    assert all(r["stats"]["left_out"] == 0 for r in results[:2])
+
+
+def test_lost_coordinator_gives_a_clear_error(tmp_path):
+    extra = {i: PACED for i in range(WORKERS)}
+    results, codes = _job(tmp_path, extra, kill_coordinator=True, timeout_s=120.0)
+    assert all(c != 0 for c in codes.values()), codes
+    for r in results:
+        assert "coordinator at 127.0.0.1" in r["log"] and "stopped answering" in r["log"], r["log"][-2000:]
