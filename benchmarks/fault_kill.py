@@ -27,7 +27,6 @@ import contextlib
 import datetime
 import json
 import os
-import pickle
 import signal
 import statistics
 import subprocess
@@ -98,10 +97,7 @@ def _resume(ckpt_dir: Path, rank: int, model: Any, opt: Any) -> None:
 
     done = [d for d in sorted(ckpt_dir.glob("step*")) if all((d / f"rank{r}.pt").exists() for r in range(WORKERS))]
     if done:
-        try:  # tensors, numbers and strings only: it loads with weights_only=True (the fallback is for other states)
-            state = torch.load(done[-1] / f"rank{rank}.pt", weights_only=True)
-        except pickle.UnpicklingError:
-            state = torch.load(done[-1] / f"rank{rank}.pt", weights_only=False)
+        state = torch.load(done[-1] / f"rank{rank}.pt", weights_only=True)  # tensors, numbers, strings: never unpickled
         model.load_state_dict(state["model"])  # after DiLoCoOptimizer broadcast rank 0's weights
         opt.load_state_dict(state["optimizer"])  # the inner optimizer's state and DiLoCo's (steps, global, momentum)
 
