@@ -143,3 +143,18 @@ def test_what_fault_tolerance_refuses(coordinator, kwargs, name):
         DiLoCoOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft, **kwargs)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # nothing touched
     ft.close()
+
+
+def test_a_worker_restarted_at_once_gets_a_new_group(coordinator):
+    # w1 dies and its restart (same id, a new process) arrives in the very next round: the members' ids are the
+    # last round's, but the last round's group does not hold the new process, so the round needs a new one
+    qs = _workers(coordinator, 3, deadline_s=5.0)
+    with ThreadPoolExecutor(3) as pool:
+        _start(qs, pool)
+        qs[1].close()
+        qs[1] = Quorums(coordinator, "w1", 3, heartbeat_s=0.1, stale_s=1.0, timeout_s=20.0)
+        moods = [ME, dict(ME, joining=True, round=-1), ME]
+        closed = list(pool.map(lambda a: a[0].wait(2, a[1]), zip(qs, moods)))
+        assert _ids(closed[0]) == ["w0", "w1", "w2"] and closed[0]["epoch"] == 2
+    for q in qs:
+        q.close()

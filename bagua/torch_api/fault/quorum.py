@@ -31,6 +31,7 @@ import json
 import statistics
 import threading
 import time
+import uuid
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -115,6 +116,7 @@ class Quorums:
         self.deadline_s, self.min_deadline_s, self.slack = deadline_s, min_deadline_s, slack
         self.stale_s, self.timeout_s, self.prefix = stale_s, timeout_s, prefix.rstrip("/")
         # the store, this worker's registration and heartbeat
+        self.incarnation = uuid.uuid4().hex[:16]  # this process: a restarted worker keeps its id, not this
         self.store = connect_store(coordinator, timeout_s, f"worker {worker!r}")
         self.store.set(self._k(f"workers/{self.store.add(self._k('workers/n'), 1)}"), worker)
         self.heartbeat = _Heartbeat(coordinator, self._k(f"hb/{worker}"), heartbeat_s, timeout_s)
@@ -197,7 +199,7 @@ class Quorums:
         """Take a slot in quorum ``key`` as ``me`` (``round``, ``joining``, ``samples``, ``fragment``) and return the
         closed quorum: ``{"key", "members": [{"id", ...}], "epoch", "first"}``; raise :class:`Excluded` when it
         closed without this worker, ``TimeoutError`` past ``timeout_s``."""
-        me = dict(me, id=self.worker)
+        me = dict(me, id=self.worker, incarnation=self.incarnation)
         slot = self.store.add(self._k(f"q/{key}/n"), 1)
         self.store.set(self._k(f"q/{key}/slot/{slot}"), json.dumps(me))
         start = time.monotonic()
@@ -243,8 +245,10 @@ class Quorums:
         if not ready:
             return
         prev = self.previous
-        # the last round's group serves again when it succeeded just before with the same members
-        same = prev is not None and prev["key"] == key - 1 and [m["id"] for m in prev["members"]] == sorted(ids)
+        # the last round's group serves again when it succeeded just before with the same members: the same
+        # processes, not only the same ids (a worker restarted at once keeps its id, and has no such group)
+        same = prev is not None and prev["key"] == key - 1 and [
+            (m["id"], m["incarnation"]) for m in prev["members"]] == [(m["id"], m["incarnation"]) for m in arrived]
         record = {"key": key, "members": arrived, "epoch": prev["epoch"] if same else key, "first": first}
         full = self._k(f"q/{key}/closed")
         self.store.compare_set(full, "", json.dumps(record))
