@@ -163,7 +163,10 @@ def _parse(line: str) -> dict[str, Any]:
     if kind == "result":
         return {"kind": kind, **json.loads(rest)}
     if kind in ("joined", "step"):
-        return {"kind": kind, **{k: float(v) for k, v in (f.split("=", 1) for f in rest.split())}}
+        try:
+            return {"kind": kind, **{k: float(v) for k, v in (f.split("=", 1) for f in rest.split())}}
+        except ValueError:  # two ranks' lines interleaved in the agent's pipe: the next line says it again
+            return {"kind": None, "text": line}
     return {"kind": None, "text": line}
 
 
