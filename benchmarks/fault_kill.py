@@ -88,7 +88,9 @@ def _task(seed: int) -> tuple[Callable, Any]:
 
 def _say(kind: str, **fields: Any) -> None:
     """One line the supervisor reads: ``kind key=value ... t=<wall clock>``."""
-    print(kind, *(f"{k}={v}" for k, v in fields.items()), f"t={time.time():.3f}", flush=True)
+    line = " ".join([kind, *(f"{k}={v}" for k, v in fields.items()), f"t={time.time():.3f}"])
+    sys.stdout.write(line + "\n")  # one write: ranks share the agent's stdout, unbuffered under PYTHONUNBUFFERED
+    sys.stdout.flush()
 
 
 def _resume(ckpt_dir: Path, rank: int, model: Any, opt: Any) -> None:
@@ -151,7 +153,8 @@ def worker(args: argparse.Namespace) -> None:
     result = {"rank": rank, "loss": loss, "round_s": [b - a for a, b in zip(sync_t, sync_t[1:])]}
     if ft is not None:
         result |= {"retries": ft.retries, "left_out": ft.left_out, "exchange_s": ft.median_exchange_s()}
-    print("result", json.dumps(result), flush=True)
+    sys.stdout.write("result " + json.dumps(result) + "\n")
+    sys.stdout.flush()
     ft.close() if ft is not None else dist.destroy_process_group()
 
 
