@@ -21,10 +21,10 @@ import argparse
 import datetime
 import signal
 import socket
+import select
 import subprocess
 import sys
 import threading
-import time
 from typing import Optional
 
 import torch.distributed as dist
@@ -32,7 +32,7 @@ import torch.distributed as dist
 __all__ = ["serve", "start_coordinator", "main"]
 
 
-def serve(host: str, port: int, ready: Optional[threading.Event] = None) -> None:
+def serve(host: str, port: int) -> None:
     """Serve the store at ``host:port`` until SIGTERM or SIGINT."""
     # torch's store listens on every address unless handed a socket: bind one to ``host`` alone
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -46,8 +46,6 @@ def serve(host: str, port: int, ready: Optional[threading.Event] = None) -> None
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"bagua fault-tolerance coordinator listening on {host}:{port}", flush=True)
-    if ready is not None:
-        ready.set()
     while not stop.wait(0.5):
         pass
     del store
@@ -58,9 +56,10 @@ def start_coordinator(host: str, port: int, timeout_s: float = 30.0) -> subproce
     """Start the coordinator as a child process and return once it listens (``terminate()`` stops it)."""
     proc = subprocess.Popen([sys.executable, "-m", "bagua.torch_api.fault.coordinator", "--host", host,
                              "--port", str(port)], stdout=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + timeout_s
-    line = proc.stdout.readline() if proc.stdout is not None else ""
-    if "listening" not in line or time.monotonic() > deadline:
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)  # readline alone would wait for ever
+    line = proc.stdout.readline() if ready else ""
+    if "listening" not in line:
         proc.kill()
         raise RuntimeError(f"the coordinator did not start on {host}:{port} (port taken?): {line!r}")
     return proc
