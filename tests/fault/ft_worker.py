@@ -39,11 +39,10 @@ def main() -> None:
 
     from bagua.torch_api.contrib.diloco_optimizer import DiLoCoOptimizer
     from bagua.torch_api.fault import FaultTolerance, transfer
-    from bagua.torch_api.fault.replica import FaultTolerance as _FT
 
     kind, _, at = args.die.partition(":")
     if kind == "exchange":
-        calls, average = [0], _FT._average
+        calls, average = [0], FaultTolerance._average
 
         def dying_average(self, *a, **k):
             calls[0] += 1
@@ -51,7 +50,7 @@ def main() -> None:
                 _die()
             return average(self, *a, **k)
 
-        _FT._average = dying_average
+        FaultTolerance._average = dying_average
     elif kind == "serve":
         transfer._before_bucket_send = lambda k, bucket: _die()
 

@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,9 @@ from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.data_parallel._comm_plane import CommWorker
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver, driver_property
+
+if TYPE_CHECKING:
+    from bagua.torch_api.fault.replica import FaultTolerance
 
 __all__ = ["DiLoCoOptimizer"]
 
@@ -126,7 +129,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         warmup_steps: int = 0,
         offload_outer_state: bool = False,
         process_group: Any = None,
-        fault_tolerance: Any = None,
+        fault_tolerance: Optional[FaultTolerance] = None,
     ) -> None:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise ValueError(f"DiLoCoOptimizer(inner_optimizer=...) must be a torch.optim.Optimizer, e.g. "

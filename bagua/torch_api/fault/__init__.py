@@ -25,6 +25,7 @@ from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.fault.transfer import DEFAULT_BUCKET_BYTES, heal_group, receive_state, send_state
 
 __all__ = [
-    "FaultTolerance", "CoordinatorLost", "DEFAULT_BUCKET_BYTES", "TAKE_INNER_STATE", "heal_group", "send_state", "receive_state", "serve_driver",
-    "heal_driver", "driver_heal_state", "flatten_optimizer_state", "unflatten_optimizer_state",
+    "FaultTolerance", "CoordinatorLost", "DEFAULT_BUCKET_BYTES", "TAKE_INNER_STATE", "heal_group", "send_state",
+    "receive_state", "serve_driver", "heal_driver", "driver_heal_state", "flatten_optimizer_state",
+    "unflatten_optimizer_state",
 ]
