@@ -4,7 +4,8 @@ The reference trains an ordinary model with the same inner optimizer on every ra
 synchronization it all-gathers every rank's weights with ``dist.all_gather``, forms the pseudo-gradients
 ``g - x``, averages them (``(d0 + d1) / 2``), applies SGD with Nesterov momentum written out (``buf = avg`` at the
 first step, then ``buf = m * buf + avg``; ``update = avg + m * buf``; ``g -= lr * update``, each ``a + c * b`` as
-``torch.add(a, b, alpha=c)``, which is how torch's SGD rounds) and sets the weights (``x = g``, or
+``torch.add(a, b, alpha=c)``, which is how torch's SGD rounds; with an outer-lr warm-up of ``W`` outer steps a
+fragment's ``k``-th outer step, from 1, uses ``lr * min(1, k / W)``) and sets the weights (``x = g``, or
 ``alpha * x + (1 - alpha) * g`` when the exchange overlapped ``tau`` steps).
 
 Tolerance: exact (rtol=0, atol=0) for float32 exchanges at 2 ranks (the sum of two numbers does not depend on
@@ -53,7 +54,7 @@ def _mean_over_ranks(t):
     return sum(values[1:], values[0]) / len(values)
 
 
-def _train_reference(rank, steps, H, F, tau, alpha, lr, m, inner):
+def _train_reference(rank, steps, H, F, tau, alpha, lr, m, inner, warmup=0):
     model = make_model(0)
     opt = inner(model.parameters())
     frags = _fragments(model, F)
@@ -61,6 +62,13 @@ def _train_reference(rank, steps, H, F, tau, alpha, lr, m, inner):
     bufs = [None] * F
     offsets = [max(1, round((p + 1) * H / F)) for p in range(F)]
     in_flight = {}  # fragment -> (finish step, averaged pseudo-gradients)
+    taken = [0] * F  # outer steps of each fragment
+
+    def outer(p, avg, a):
+        taken[p] += 1
+        rate = lr * min(1.0, taken[p] / warmup) if warmup else lr
+        _outer(frags[p], glob[p], bufs, p, avg, rate, m, a)
+
     history = []
     for step in range(1, steps + 1):
         x, y = batch(rank, step)
@@ -69,13 +77,13 @@ def _train_reference(rank, steps, H, F, tau, alpha, lr, m, inner):
         opt.step()
         for p in range(F):
             if p in in_flight and in_flight[p][0] == step:
-                _outer(frags[p], glob[p], bufs, p, in_flight.pop(p)[1], lr, m, alpha if tau else 0.0)
+                outer(p, in_flight.pop(p)[1], alpha if tau else 0.0)
         for p in range(F):
             if step % H == offsets[p] % H:
                 avg = [_mean_over_ranks(g - x.detach()) for g, x in zip(glob[p], frags[p])]
                 in_flight[p] = (step + tau, avg)
                 if tau == 0:
-                    _outer(frags[p], glob[p], bufs, p, in_flight.pop(p)[1], lr, m, 0.0)
+                    outer(p, in_flight.pop(p)[1], 0.0)
         history.append(params_of(model))
     return history
 
@@ -120,24 +128,24 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.05)
 
 
-def _worker_parity(rank, world_size, steps, H, F, tau, alpha):
+def _worker_parity(rank, world_size, steps, H, F, tau, alpha, W):
     from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 
     algorithm = DiLoCoAlgorithm(sync_every=H, fragments=F, overlap_steps=tau, overlap_alpha=alpha,
-                                hierarchical=False)
+                                hierarchical=False, outer_lr_warmup=W)
     got = _train_diloco(rank, steps, algorithm, _adamw)
-    expected = _train_reference(rank, steps, H, F, tau, alpha, 0.7, 0.9, _adamw)
+    expected = _train_reference(rank, steps, H, F, tau, alpha, 0.7, 0.9, _adamw, warmup=W)
     return got, expected
 
 
 @pytest.mark.parametrize(
-    "H,F,tau,alpha",
-    [(3, 1, 0, 0.5), (4, 2, 0, 0.5), (6, 3, 1, 0.5), (4, 2, 1, 0.0)],
-    ids=["diloco", "streaming-2", "streaming-3-overlap", "streaming-2-overlap-alpha0"],
+    "H,F,tau,alpha,W",
+    [(3, 1, 0, 0.5, 0), (4, 2, 0, 0.5, 0), (6, 3, 1, 0.5, 0), (4, 2, 1, 0.0, 0), (2, 2, 0, 0.5, 3)],
+    ids=["diloco", "streaming-2", "streaming-3-overlap", "streaming-2-overlap-alpha0", "streaming-2-lr-warmup-3"],
 )
-def test_matches_plain_tensor_reference(tmp_path, H, F, tau, alpha):
-    steps = 3 * H + tau
-    results = run_workers(_worker_parity, 2, steps, H, F, tau, alpha, timeout=120)
+def test_matches_plain_tensor_reference(tmp_path, H, F, tau, alpha, W):
+    steps = 3 * H + tau if not W else (W + 1) * H
+    results = run_workers(_worker_parity, 2, steps, H, F, tau, alpha, W, timeout=120)
     for rank, (got, expected) in enumerate(results):
         for step, (g, e) in enumerate(zip(got, expected), start=1):
             for a, b in zip(g, e):

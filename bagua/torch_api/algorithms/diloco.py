@@ -177,6 +177,8 @@ class DiLoCoAlgorithm(Algorithm):
         warmup_steps: steps of plain float32 gradient allreduce before the first inner phase.
         hierarchical: average inside each node in float32 first and exchange among node leaders only.
         offload_outer_state: keep the global weights and the outer optimizer's state in (pinned) CPU memory.
+        outer_lr_warmup: the default outer optimizer's learning rate rises linearly over this many outer steps of
+            each fragment (``outer_lr * k / W`` at its ``k``-th, from 1); 0: none.
 
     Example:
         >>> algorithm = DiLoCoAlgorithm(sync_every=100, fragments=4, overlap_steps=2, compression="uint4")
@@ -198,6 +200,7 @@ class DiLoCoAlgorithm(Algorithm):
     warmup_steps: int = 0
     hierarchical: bool = True
     offload_outer_state: bool = False
+    outer_lr_warmup: int = 0
 
     def __post_init__(self) -> None:
         owner = "DiLoCoAlgorithm"
@@ -206,6 +209,7 @@ class DiLoCoAlgorithm(Algorithm):
         check_number(owner, "outer_momentum", self.outer_momentum, 0.0, "the outer SGD's momentum")
         if self.outer_momentum >= 1:
             raise ValueError(f"{owner}(outer_momentum=...) must be below 1, got {self.outer_momentum!r}")
+        check_int(owner, "outer_lr_warmup", self.outer_lr_warmup, 0, "outer steps of outer-lr warm-up")
         for name in ("nesterov", "hierarchical", "offload_outer_state"):
             check_bool(owner, name, getattr(self, name))
         if self.error_feedback is not None:

@@ -180,9 +180,19 @@ class DiLoCoDriver:
             hierarchy.run_hierarchically(self.group, self.hierarchical, delta, exchange, average=True)
 
     def _finish(self, fragment: Fragment) -> None:
+        self._warm_outer_lr(fragment)
         fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
                         self.owner)
         self.syncs += 1
+
+    def _warm_outer_lr(self, fragment: Fragment) -> None:
+        """With ``outer_lr_warmup=W`` and the default outer SGD: the fragment's ``k``-th outer step (from 0) takes
+        ``outer_lr * min(1, (k + 1) / W)``; fragments step in turn, so ``k`` is ``syncs // fragments``."""
+        warmup = getattr(self.hyper, "outer_lr_warmup", 0)
+        if warmup and self.hyper.outer_optimizer is None:
+            k = self.syncs // len(self.fragments)
+            for group in fragment.outer.param_groups:
+                group["lr"] = self.hyper.outer_lr * min(1.0, (k + 1) / warmup)
 
     def finish_now(self, fragment: Fragment) -> None:
         """Take the outer step of ``fragment`` with the average in its ``delta`` (a worker that healed in a round
