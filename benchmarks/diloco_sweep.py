@@ -63,8 +63,9 @@ def _convergence_rows(paths: Sequence[str]) -> list[dict[str, Any]]:
     for path in paths:
         with open(path) as f:
             data = json.load(f)
-        for row in data.get("results", []):
-            if row.get("phase") in ("convergence", "real") and row.get("curve") and row.get("model") == "gpt":
+        results = data.get("results", []) if isinstance(data, dict) else []
+        for row in results if isinstance(results, list) else []:
+            if isinstance(row, dict) and row.get("phase") in ("convergence", "real") and row.get("curve") and row.get("model") == "gpt":
                 rows.append({**row, "file": os.path.basename(path)})
     return rows
 

@@ -67,7 +67,7 @@ def _run_config(rank, name, no_sync=False):
     H, F, tau, alpha, steps = CONFIGS[name]
     ddp = _ddp(rank, hook_state=None if no_sync else "local")
     opt = DiLoCoOptimizer(_adamw(ddp.parameters()), sync_every=H, fragments=F, overlap_steps=tau,
-                          overlap_alpha=alpha)
+                          overlap_alpha=alpha, outer_lr=0.7, outer_momentum=0.9)
     got = _train(ddp, opt, rank, 1, steps, no_sync=no_sync)
     opt.close()
     return got, _reference(rank, steps, H, F, tau, alpha, 0.7, 0.9, _adamw), opt.syncs
@@ -100,7 +100,8 @@ def _run_scaler(rank, H=3, skip_step=3):
     from bagua.torch_api.contrib import DiLoCoOptimizer
 
     ddp = _ddp(rank)
-    opt = DiLoCoOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.05), sync_every=H)
+    opt = DiLoCoOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.05), sync_every=H, outer_lr=0.7,
+                          outer_momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     got = []
     for step in range(1, 2 * H + 1):
@@ -135,7 +136,8 @@ def _run_resume(rank, save_at=6, steps=9):
 
     def fresh():
         ddp = _ddp(rank)
-        return ddp, DiLoCoOptimizer(_adamw(ddp.parameters()), sync_every=4, fragments=2, overlap_steps=1)
+        return ddp, DiLoCoOptimizer(_adamw(ddp.parameters()), sync_every=4, fragments=2, overlap_steps=1,
+                                    outer_lr=0.7, outer_momentum=0.9)  # with momentum: its buffer is resumed
 
     ddp, opt = fresh()
     straight = _train(ddp, opt, rank, 1, steps)

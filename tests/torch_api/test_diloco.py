@@ -132,7 +132,7 @@ def _worker_parity(rank, world_size, steps, H, F, tau, alpha, W):
     from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 
     algorithm = DiLoCoAlgorithm(sync_every=H, fragments=F, overlap_steps=tau, overlap_alpha=alpha,
-                                hierarchical=False, outer_lr_warmup=W)
+                                hierarchical=False, outer_lr_warmup=W, outer_lr=0.7, outer_momentum=0.9)
     got = _train_diloco(rank, steps, algorithm, _adamw)
     expected = _train_reference(rank, steps, H, F, tau, alpha, 0.7, 0.9, _adamw, warmup=W)
     return got, expected
@@ -189,7 +189,8 @@ def test_h1_outer_lr1_is_gradient_averaging(tmp_path):
 def _worker_compressed(rank, world_size, compression, H):
     from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 
-    algorithm = DiLoCoAlgorithm(sync_every=H, compression=compression, hierarchical=False)
+    algorithm = DiLoCoAlgorithm(sync_every=H, compression=compression, hierarchical=False, outer_lr=0.7,
+                                outer_momentum=0.9)
     got = _train_diloco(rank, 2 * H, algorithm, _adamw)
     # the exact run up to its first synchronization: the same inner steps, then a float32 average
     model = make_model(0)

@@ -29,6 +29,7 @@ H = 3
 def _algorithm(**kwargs):
     from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 
+    kwargs = {"outer_lr": 0.7, "outer_momentum": 0.9, **kwargs}  # the published step, as the references take
     return DiLoCoAlgorithm(sync_every=kwargs.pop("sync_every", H), hierarchical=False, **kwargs)
 
 
@@ -208,6 +209,8 @@ def test_stopped_peer_fails_within_the_timeout(tmp_path):
     (dict(compression="int4"), "choose one of"),
     (dict(block_size=1000), "power of two"),
     (dict(outer_momentum=1.0), "below 1"),
+    (dict(outer_lr="fast"), 'or "auto"'),
+    (dict(outer_lr_warmup=-1), "outer_lr_warmup"),
     (dict(outer_optimizer="sgd"), "functools.partial"),
     (dict(fragment_layout="random"), "contiguous"),
 ])

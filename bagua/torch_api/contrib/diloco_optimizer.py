@@ -30,7 +30,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -80,7 +80,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     Args:
         inner_optimizer: the optimizer of the inner steps (e.g. ``AdamW``), over the parameters of the model.
         sync_every: inner steps between two synchronizations of a fragment (``H``).
-        outer_lr, outer_momentum, nesterov: the default outer optimizer, SGD.
+        outer_lr, outer_momentum, nesterov: the default outer optimizer, SGD; ``"auto"``: chosen from the
+            number of ranks (workers) and ``sync_every`` (:func:`~bagua.torch_api.ops.diloco_outer.auto_outer`).
+        outer_lr_warmup: outer steps over which the outer learning rate rises linearly (0: none).
         outer_optimizer: instead, a factory ``f(list_of_tensors) -> torch.optim.Optimizer``.
         fragments, fragment_layout: Streaming DiLoCo's fragments (1: plain DiLoCo), ``"contiguous"`` or
             ``"strided"``; parameters are taken in the inner optimizer's order.
@@ -114,9 +116,9 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         inner_optimizer: torch.optim.Optimizer,
-        sync_every: int = 50,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        sync_every: int = 10,
+        outer_lr: Union[float, str] = "auto",
+        outer_momentum: Union[float, str] = "auto",
         nesterov: bool = True,
         outer_optimizer: Optional[Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = None,
         fragments: int = 1,
@@ -128,6 +130,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         block_size: int = 4096,
         warmup_steps: int = 0,
         offload_outer_state: bool = False,
+        outer_lr_warmup: int = 0,
         process_group: Any = None,
         fault_tolerance: Optional[FaultTolerance] = None,
     ) -> None:
@@ -141,7 +144,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             outer_optimizer=outer_optimizer, fragments=fragments, fragment_layout=fragment_layout,
             overlap_steps=overlap_steps, overlap_alpha=overlap_alpha, compression=compression,
             error_feedback=error_feedback, block_size=block_size, warmup_steps=warmup_steps,
-            offload_outer_state=offload_outer_state,
+            offload_outer_state=offload_outer_state, outer_lr_warmup=outer_lr_warmup,
         )
         # internal state: the driver (DiLoCo's outer loop, shared with DiLoCoAlgorithm) on a group of its own
         if fault_tolerance is not None:
@@ -155,6 +158,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
             self.driver = DiLoCoDriver(self.hyper, "DiLoCoOptimizer", communicator=own_communicator(self.ranks),
                                        worker=worker)
             release_at_exit(self)
+        self.hyper = self.driver.hyper  # "auto" outer settings resolved for the workers
         if warmup_steps == 0:
             self._build_fragments()
 

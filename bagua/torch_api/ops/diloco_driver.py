@@ -32,6 +32,7 @@ from bagua.torch_api.comm import hierarchy
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.codecs.workspace import make_workspace
 from bagua.torch_api.ops.diloco import Fragment, due_fragments, split_fragments, sync_offsets
+from bagua.torch_api.ops.diloco_outer import resolve_outer
 
 __all__ = ["DiLoCoDriver", "Submit", "driver_property"]
 
@@ -58,8 +59,11 @@ class DiLoCoDriver:
     def __init__(self, hyper: Any, owner: str, communicator: Optional[BaguaCommunicator] = None,
                  group: Optional[BaguaProcessGroup] = None, hierarchical: bool = False,
                  worker: Optional[Any] = None, fault: Optional[Any] = None) -> None:
-        # user hyper-parameters
-        self.hyper = hyper
+        # user hyper-parameters, "auto" outer settings resolved for the workers that average
+        #: the replicas that average (the job's workers with fault tolerance): what "auto" outer settings use
+        self.workers = (fault.quorums.workers if fault is not None else communicator.nranks()
+                        if communicator is not None else len(group.ranks) if group is not None else 1)
+        self.hyper = resolve_outer(hyper, self.workers)
         self.owner = owner
         self.error_feedback = hyper.compression != "none" if hyper.error_feedback is None else hyper.error_feedback
         # where and how the exchanges run
