@@ -3,7 +3,8 @@
 ``--die inner:S`` SIGKILLs this process before its inner step S, ``--die exchange:N`` at the start of its N-th
 average (the quorum closed, the peers already in the allreduce), ``--die serve`` as it sends the first bucket of a
 state to a joiner; ``--stall S`` SIGSTOPs it before step S (the test sends SIGCONT). At the end it saves its
-global weights, weights, counters and statistics to ``--out``.
+global weights, weights, counters and statistics to ``--out``. ``--api algorithm`` trains through ``with_bagua`` and
+``DiLoCoAlgorithm(fault_tolerance=...)`` (a single-process Bagua job per worker) instead of ``DiLoCoOptimizer``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ def main() -> None:
     ap.add_argument("--die", default="")
     ap.add_argument("--stall", type=int, default=0)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--api", choices=["optimizer", "algorithm"], default="optimizer")
     args = ap.parse_args()
 
     from bagua.torch_api.contrib.diloco_optimizer import DiLoCoOptimizer
@@ -59,9 +61,19 @@ def main() -> None:
                         stale_s=1.5, timeout_s=60.0)
     model = make_model(args.index)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-    opt = DiLoCoOptimizer(inner, sync_every=args.sync_every, fragments=args.fragments, fault_tolerance=ft)
-    while opt.steps < args.steps:
-        step = opt.steps + 1
+    if args.api == "algorithm":
+        import bagua.torch_api as bagua
+        from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+
+        bagua.init_process_group()  # no launcher: a job of one process
+        model = model.with_bagua([inner], DiLoCoAlgorithm(sync_every=args.sync_every, fragments=args.fragments,
+                                                          fault_tolerance=ft))
+        opt, d = inner, model.bagua_ddp.impl.driver
+    else:
+        opt = DiLoCoOptimizer(inner, sync_every=args.sync_every, fragments=args.fragments, fault_tolerance=ft)
+        d = opt.driver
+    while d.steps < args.steps:
+        step = d.steps + 1
         if kind == "inner" and step == int(at):
             _die()
         if args.stall and step == args.stall:
@@ -75,7 +87,6 @@ def main() -> None:
             print(f"round {ft.rounds} done", flush=True)
         if args.step_s:
             time.sleep(args.step_s)
-    d = opt.driver
     torch.save({
         "global": [f.global_.clone() for f in d.fragments],
         "params": [p.detach().clone() for p in model.parameters()],

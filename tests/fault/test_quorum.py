@@ -8,7 +8,9 @@ checks read what each worker saved at the end:
   or while it heals another, and restarted: the survivors finish every round without raising, the restarted worker
   heals from a peer, and after the last synchronization all three hold the same global weights, bit for bit;
 - a worker SIGSTOPped past the deadline is left out, then readmitted (it heals) after SIGCONT;
-- a coordinator that dies gives every worker a clear error, never a hang.
+- a coordinator that dies gives every worker a clear error, never a hang;
+- the same through ``with_bagua`` and ``DiLoCoAlgorithm(fault_tolerance=...)`` (each worker a one-process Bagua
+  job): bit for bit the same weights without failures, and a killed worker rejoins.
 """
 
 from __future__ import annotations
@@ -39,9 +41,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(i: int, port: int, out: Path, extra: list[str], log: Path) -> subprocess.Popen:
+def _spawn(i: int, port: int, out: Path, extra: list[str], log: Path, api: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "tests.fault.ft_worker", "--coordinator", f"127.0.0.1:{port}", "--index", str(i),
-           "--workers", str(WORKERS), "--steps", str(STEPS), "--sync-every", str(H), "--out", str(out), *extra]
+           "--workers", str(WORKERS), "--steps", str(STEPS), "--sync-every", str(H), "--out", str(out),
+           "--api", api, *extra]
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT)
 
@@ -54,14 +57,16 @@ def _stopped(p: subprocess.Popen) -> bool:
 
 
 def _job(tmp_path: Path, extra: dict[int, list[str]], restart: bool = False, stall_s: float = 0.0,
-         kill_coordinator: bool = False, timeout_s: float = 150.0) -> tuple[list[dict], dict[int, int]]:
+         kill_coordinator: bool = False, timeout_s: float = 150.0,
+         api: str = "optimizer") -> tuple[list[dict], dict[int, int]]:
     """Run the job; restart a worker that was SIGKILLed (once); SIGCONT a stopped one after ``stall_s``; with
-    ``kill_coordinator``, SIGKILL the coordinator once every worker has finished its second round."""
+    ``kill_coordinator``, SIGKILL the coordinator once every worker has finished its second round. ``api``:
+    ``DiLoCoOptimizer`` (``"optimizer"``) or ``with_bagua`` and ``DiLoCoAlgorithm`` (``"algorithm"``)."""
     port = _free_port()
     coordinator = start_coordinator("127.0.0.1", port)
     outs = [tmp_path / f"w{i}.pt" for i in range(WORKERS)]
     logs = [tmp_path / f"w{i}.log" for i in range(WORKERS)]
-    procs = {i: _spawn(i, port, outs[i], extra.get(i, []), logs[i]) for i in range(WORKERS)}
+    procs = {i: _spawn(i, port, outs[i], extra.get(i, []), logs[i], api) for i in range(WORKERS)}
     restarted: set[int] = set()
     continued: set[int] = set()
     coordinator_killed = False
@@ -75,7 +80,7 @@ def _job(tmp_path: Path, extra: dict[int, list[str]], restart: bool = False, sta
             for i, p in procs.items():
                 if p.poll() == -signal.SIGKILL and restart and i not in restarted:
                     restarted.add(i)
-                    procs[i] = _spawn(i, port, outs[i], PACED, logs[i])
+                    procs[i] = _spawn(i, port, outs[i], PACED, logs[i], api)
                 elif stall_s and i not in continued and _stopped(p):
                     time.sleep(stall_s)
                     p.send_signal(signal.SIGCONT)
@@ -122,8 +127,9 @@ def _reference(rank, world_size):
     return [f.global_.clone() for f in opt.driver.fragments]
 
 
-def test_without_failures_equals_diloco_bit_for_bit(tmp_path):
-    results, _ = _job(tmp_path, {})
+@pytest.mark.parametrize("api", ["optimizer", "algorithm"])
+def test_without_failures_equals_diloco_bit_for_bit(tmp_path, api):
+    results, _ = _job(tmp_path, {}, api=api)
     reference = run_workers(_reference, WORKERS)
     _same_global(results)
     assert all(torch.equal(a, b) for a, b in zip(results[0]["global"], reference[0]))
@@ -133,16 +139,20 @@ def test_without_failures_equals_diloco_bit_for_bit(tmp_path):
 
 
 @pytest.mark.parametrize("die", ["inner:7", "exchange:2", "serve"])
-def test_killed_worker_rejoins_and_all_agree(tmp_path, die):
+def test_killed_worker_rejoins_and_all_agree(tmp_path, die, api="optimizer"):
     # "serve": w0 serves the job's first weights to w1 and w2 and dies doing so; w1, w2 retry without it
     victim = 0 if die == "serve" else 2
     extra = {i: PACED + (["--die", die] if i == victim else []) for i in range(WORKERS)}
-    results, _ = _job(tmp_path, extra, restart=True)
+    results, _ = _job(tmp_path, extra, restart=True, api=api)
     _same_global(results)
     healed = [1, 2] if die == "serve" else [victim]  # the healed ones: the restarted worker, or w0's pupils
     assert all(results[i]["stats"]["heals"] >= 1 for i in healed), results[victim]["log"]
     if die != "inner:7":  # a peer died mid-round: the survivors ran it again
         assert any(r["stats"]["retries"] >= 1 for i, r in enumerate(results) if i != victim)
+
+
+def test_with_bagua_killed_worker_rejoins_and_all_agree(tmp_path):
+    test_killed_worker_rejoins_and_all_agree(tmp_path, "inner:7", api="algorithm")
 
 
 def test_stalled_worker_is_left_out_then_readmitted(tmp_path):

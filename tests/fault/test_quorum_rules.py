@@ -142,6 +142,10 @@ def test_what_fault_tolerance_refuses(coordinator, kwargs, name):
     with pytest.raises(ValueError, match=f"fault_tolerance=...\\) needs {name}="):
         DiLoCoOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=ft, **kwargs)
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))  # nothing touched
+    from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+
+    with pytest.raises(ValueError, match=f"DiLoCoAlgorithm\\(fault_tolerance=...\\) needs {name}="):
+        DiLoCoAlgorithm(sync_every=10, fault_tolerance=ft, **kwargs)
     ft.close()
 
 

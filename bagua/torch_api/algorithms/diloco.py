@@ -47,7 +47,7 @@ from bagua.torch_api.ops.diloco_outer import AUTO
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
-__all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS"]
+__all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS", "check_fault_tolerance"]
 
 #: what the pseudo-gradient travels as
 COMPRESSIONS = ("none", "bf16", "uint8", "uint4")
@@ -66,8 +66,16 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         self.warm = algorithm.warmup_steps > 0
         self._stepped: set[int] = set()
         # with overlap an exchange runs while the main thread may communicate (find_unused_parameters): own groups
-        exchange_group = process_group.private_copy("diloco") if algorithm.overlap_steps > 0 else process_group
-        self.driver = DiLoCoDriver(algorithm, "DiLoCo", group=exchange_group, hierarchical=self.hierarchical)
+        fault = algorithm.fault_tolerance
+        if fault is not None:  # one worker of a fault-tolerant job: its exchanges go over the round's live workers
+            if len(process_group.ranks) != 1:
+                raise ValueError("DiLoCoAlgorithm(fault_tolerance=...): each worker is one process (a job of its "
+                                 f"own); this model's group has {len(process_group.ranks)} ranks. Start one process "
+                                 "per worker, each with its own bagua.init_process_group()")
+            self.driver = DiLoCoDriver(algorithm, "DiLoCo", fault=fault)
+        else:
+            exchange_group = process_group.private_copy("diloco") if algorithm.overlap_steps > 0 else process_group
+            self.driver = DiLoCoDriver(algorithm, "DiLoCo", group=exchange_group, hierarchical=self.hierarchical)
         self.hyper = self.driver.hyper  # "auto" outer settings resolved for this group's ranks
 
     # the driver's state, under the names this class always had
@@ -93,6 +101,12 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
             if not params:
                 raise ValueError("DiLoCoAlgorithm: the model has no trainable parameter")
             self.driver.build(params)  # equal on every rank: the engine broadcast them, the warm-up averaged
+            if self.driver.fault is not None:  # join the job: the first worker's weights, or a live peer's state
+                if len(bagua_ddp.bagua_optimizers) != 1:
+                    raise ValueError("DiLoCoAlgorithm(fault_tolerance=...) heals a joining worker with one inner "
+                                     f"optimizer's state; this model has {len(bagua_ddp.bagua_optimizers)}")
+                self.driver.fault.optimizer = bagua_ddp.bagua_optimizers[0]
+                self.driver.fault.join(self.driver)
         return []  # no gradient communication between synchronizations
 
     def init_operations(self, bagua_ddp, bucket) -> None:
@@ -146,6 +160,18 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         self.driver.close(strict=False)  # the engine is being torn down; its error, if any, is raised elsewhere
 
 
+def check_fault_tolerance(hyper: "DiLoCoAlgorithm", owner: str) -> None:
+    """Refuse, before anything is built, the settings fault-tolerant DiLoCo does not run (yet), saying why."""
+    unsupported = {
+        "overlap_steps": (hyper.overlap_steps, 0, "a round is retried from its pseudo-gradient, run inline"),
+        "compression": (hyper.compression, "none", "residuals of a failed round cannot be rolled back yet"),
+        "warmup_steps": (hyper.warmup_steps, 0, "a warm-up averages gradients over a fixed world"),
+    }
+    for name, (value, needed, why) in unsupported.items():
+        if value != needed:
+            raise ValueError(f"{owner}(fault_tolerance=...) needs {name}={needed!r}, got {value!r}: {why}")
+
+
 def _check_outer_optimizer(value: Any) -> None:
     if value is not None and not callable(value):
         raise ValueError("DiLoCoAlgorithm(outer_optimizer=...) must build an optimizer from a list of tensors, e.g. "
@@ -182,6 +208,8 @@ class DiLoCoAlgorithm(Algorithm):
         warmup_steps: steps of plain float32 gradient allreduce before the first inner phase.
         hierarchical: average inside each node in float32 first and exchange among node leaders only.
         offload_outer_state: keep the global weights and the outer optimizer's state in (pinned) CPU memory.
+        fault_tolerance: a :class:`~bagua.torch_api.fault.replica.FaultTolerance`: this process is one worker of
+            a job whose workers fail alone (docs/fault_tolerance.md); the model joins the job when it is wrapped.
         outer_lr_warmup: the default outer optimizer's learning rate rises linearly over this many outer steps of
             each fragment (``outer_lr * k / W`` at its ``k``-th, from 1); 0: none.
 
@@ -206,6 +234,7 @@ class DiLoCoAlgorithm(Algorithm):
     hierarchical: bool = True
     offload_outer_state: bool = False
     outer_lr_warmup: int = 0
+    fault_tolerance: Optional[Any] = None
 
     def __post_init__(self) -> None:
         owner = "DiLoCoAlgorithm"
@@ -239,6 +268,11 @@ class DiLoCoAlgorithm(Algorithm):
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"{owner}(block_size=...) must be a power of two, got {self.block_size!r}")
         check_int(owner, "warmup_steps", self.warmup_steps, 0, "gradient-allreduce steps before the inner phases")
+        if self.fault_tolerance is not None:
+            if not callable(getattr(self.fault_tolerance, "exchange", None)):
+                raise ValueError("DiLoCoAlgorithm(fault_tolerance=...) takes a bagua.torch_api.fault.FaultTolerance, "
+                                 f"got {self.fault_tolerance!r}")
+            check_fault_tolerance(self, owner)
 
     def reify(self, process_group: BaguaProcessGroup) -> DiLoCoAlgorithmImpl:
         return DiLoCoAlgorithmImpl(process_group, self)

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm, check_fault_tolerance
 from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.data_parallel._comm_plane import CommWorker
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver, driver_property
@@ -57,15 +57,10 @@ def _hyper(**kwargs: Any) -> DiLoCoAlgorithm:
 
 def _check_fault_tolerance(hyper: DiLoCoAlgorithm, process_group: Any) -> None:
     """Refuse, before anything is built, what fault-tolerant DiLoCo does not run (yet), saying why."""
-    unsupported = {
-        "overlap_steps": (hyper.overlap_steps, 0, "a round is retried from its pseudo-gradient, run inline"),
-        "compression": (hyper.compression, "none", "residuals of a failed round cannot be rolled back yet"),
-        "warmup_steps": (hyper.warmup_steps, 0, "a warm-up averages gradients over a fixed world"),
-        "process_group": (process_group, None, "the workers share no torch world; each is one process"),
-    }
-    for name, (value, needed, why) in unsupported.items():
-        if value != needed:
-            raise ValueError(f"DiLoCoOptimizer(fault_tolerance=...) needs {name}={needed!r}, got {value!r}: {why}")
+    check_fault_tolerance(hyper, "DiLoCoOptimizer")
+    if process_group is not None:
+        raise ValueError(f"DiLoCoOptimizer(fault_tolerance=...) needs process_group=None, got {process_group!r}: "
+                         "the workers share no torch world; each is one process")
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("DiLoCoOptimizer(fault_tolerance=...): each worker is one process (a job of its own); this "
                          f"process is in a torch world of {dist.get_world_size()} ranks. Start one process per worker")
