@@ -39,7 +39,7 @@ demo: $(VENV)/.installed-examples
 	$(PY) -m bagua.distributed.launch --nproc_per_node=2 examples/digits.py
 
 test: setup system-deps
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=30 $(PYTEST_ARGS)
 
 bench: setup system-deps
 	$(PY) -m benchmarks.network

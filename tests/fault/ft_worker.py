@@ -37,6 +37,7 @@ def main() -> None:
     ap.add_argument("--stall", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--api", choices=["optimizer", "algorithm"], default="optimizer")
+    ap.add_argument("--compression", default="none")
     args = ap.parse_args()
 
     from bagua.torch_api.contrib.diloco_optimizer import DiLoCoOptimizer
@@ -67,10 +68,11 @@ def main() -> None:
 
         bagua.init_process_group()  # no launcher: a job of one process
         model = model.with_bagua([inner], DiLoCoAlgorithm(sync_every=args.sync_every, fragments=args.fragments,
-                                                          fault_tolerance=ft))
+                                                          compression=args.compression, fault_tolerance=ft))
         opt, d = inner, model.bagua_ddp.impl.driver
     else:
-        opt = DiLoCoOptimizer(inner, sync_every=args.sync_every, fragments=args.fragments, fault_tolerance=ft)
+        opt = DiLoCoOptimizer(inner, sync_every=args.sync_every, fragments=args.fragments,
+                              compression=args.compression, fault_tolerance=ft)
         d = opt.driver
     while d.steps < args.steps:
         step = d.steps + 1
@@ -91,6 +93,7 @@ def main() -> None:
         "global": [f.global_.clone() for f in d.fragments],
         "params": [p.detach().clone() for p in model.parameters()],
         "steps": d.steps, "syncs": d.syncs,
+        "residuals": {k: v.clone() for k, v in ft._residuals.items()},
         "stats": {"rounds": ft.rounds, "retries": ft.retries, "heals": ft.heals, "served": ft.served,
                   "left_out": ft.left_out, "members": ft.members},
     }, args.out)

@@ -128,8 +128,7 @@ def test_adaptive_deadline_and_constant_batch(coordinator):
     ft.close()
 
 
-@pytest.mark.parametrize("kwargs, name", [({"compression": "uint8"}, "compression"),
-                                          ({"overlap_steps": 2}, "overlap_steps"),
+@pytest.mark.parametrize("kwargs, name", [({"overlap_steps": 2}, "overlap_steps"),
                                           ({"warmup_steps": 5}, "warmup_steps")])
 def test_what_fault_tolerance_refuses(coordinator, kwargs, name):
     import torch

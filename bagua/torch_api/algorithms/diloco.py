@@ -164,7 +164,6 @@ def check_fault_tolerance(hyper: "DiLoCoAlgorithm", owner: str) -> None:
     """Refuse, before anything is built, the settings fault-tolerant DiLoCo does not run (yet), saying why."""
     unsupported = {
         "overlap_steps": (hyper.overlap_steps, 0, "a round is retried from its pseudo-gradient, run inline"),
-        "compression": (hyper.compression, "none", "residuals of a failed round cannot be rolled back yet"),
         "warmup_steps": (hyper.warmup_steps, 0, "a warm-up averages gradients over a fixed world"),
     }
     for name, (value, needed, why) in unsupported.items():

@@ -11,7 +11,8 @@ which restarts it alone); the workers share no torch world. At each synchronizat
    peer (:func:`~bagua.torch_api.fault.heal.serve_driver`: checksummed, never unpickled) and contributes nothing
    to this round;
 4. the pseudo-gradients are averaged, weighted by the samples each member contributed (a plain average, bit for
-   bit today's, when they are equal), and every member takes the same outer step;
+   bit today's, when they are equal; compressed, :mod:`~bagua.torch_api.fault.compressed`), and every member takes
+   the same outer step;
 5. a member whose exchange failed (a peer died mid-way) says so, and the survivors run the round again, from their
    pseudo-gradients as they were before it.
 
@@ -35,6 +36,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from bagua.torch_api.fault.compressed import compressed_average, wire_bytes
 from bagua.torch_api.fault.heal import TAKE_INNER_STATE, heal_driver, serve_driver
 from bagua.torch_api.fault.quorum import Excluded, Quorums
 
@@ -49,6 +51,16 @@ def _route_to(address: str) -> str:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, 9))  # no packet leaves: a datagram socket only picks its route
         return s.getsockname()[0]
+
+
+class SettingsDiffer(ValueError):
+    """The members of a round run DiLoCo with different settings: the job cannot go on (never retried)."""
+
+
+def _settings(driver: Any) -> str:
+    """What every worker of a job must share, as a string written to its slot."""
+    h = driver.hyper
+    return f"sync_every={h.sync_every} fragments={h.fragments} compression={h.compression} block_size={h.block_size}"
 
 
 class FaultTolerance:
@@ -97,6 +109,8 @@ class FaultTolerance:
         self._epoch: Optional[int] = None
         self._samples: dict[int, int] = {}  # fragment -> samples since its last synchronization
         self._step_samples: Optional[int] = None
+        self._residuals: dict[int, torch.Tensor] = {}  # fragment -> error-feedback residual (compressed rounds)
+        self._candidate: Optional[tuple[int, torch.Tensor]] = None  # the round's new residual, kept if it is ok
         # stats
         self.members: list[str] = []
         self.rounds = self.retries = self.heals = self.served = self.left_out = 0
@@ -149,7 +163,7 @@ class FaultTolerance:
         saved = fragment.delta.clone()
         while True:
             me = {"round": driver.syncs, "joining": False, "samples": self._samples.get(fragment.index, 0),
-                  "fragment": fragment.index}
+                  "fragment": fragment.index, "settings": _settings(driver)}
             try:
                 quorum = self.quorums.wait(self.quorums.next_key, me)
             except Excluded:
@@ -171,7 +185,8 @@ class FaultTolerance:
         while True:
             key = max(self.quorums.latest() + 1, self.quorums.next_key)
             try:
-                quorum = self.quorums.wait(key, {"round": -1, "joining": True, "samples": 0, "fragment": -1})
+                quorum = self.quorums.wait(key, {"round": -1, "joining": True, "samples": 0, "fragment": -1,
+                                                 "settings": _settings(driver)})
             except Excluded:
                 self.quorums.next_key = key + 1
                 continue
@@ -199,6 +214,12 @@ class FaultTolerance:
         """Heal and average within ``quorum``; return whether this worker healed, or None when the round failed."""
         ids = [m["id"] for m in quorum["members"]]
         rank = ids.index(self.worker)
+        self._candidate = None
+        differ = {m["id"]: m.get("settings") for m in quorum["members"] if m.get("settings") != _settings(driver)}
+        if differ:
+            raise SettingsDiffer(f"worker {self.worker!r} runs DiLoCo with {_settings(driver)}, but {differ}: every "
+                                 "worker of a job needs the same sync_every, fragments and compression; restart "
+                                 "the workers with one setting")
         healed, sources, p = self._roles(quorum)
         me_healed = self.worker in {m["id"] for m in healed}
         start = time.monotonic()
@@ -231,6 +252,19 @@ class FaultTolerance:
         source_ids = {m["id"] for m in sources}
         weights = [m["samples"] if m["id"] in source_ids else 0 for m in quorum["members"]]
         delta = fragment.delta
+        n = len(weights)
+        codec = driver.hyper.compression
+        if codec != "none":
+            residual = None
+            if driver.error_feedback and not healed:
+                residual = self._residuals.get(fragment.index)
+                residual = torch.zeros_like(delta) if residual is None else residual
+            new = compressed_average(group, delta, weights, rank, codec, driver.hyper.block_size, residual,
+                                     self._exchange_timeout())
+            if new is not None:
+                self._candidate = (fragment.index, new)
+            driver.bytes_sent += wire_bytes(delta.numel(), codec, driver.hyper.block_size, n)
+            return
         buf = delta if delta.device.type == "cpu" else delta.cpu()
         timeout = datetime.timedelta(seconds=self._exchange_timeout())
         if healed:
@@ -243,7 +277,6 @@ class FaultTolerance:
             group.allreduce([buf]).wait(timeout)
         if buf is not delta:
             delta.copy_(buf)
-        n = len(weights)
         driver.bytes_sent += 2 * (n - 1) * 4 * delta.numel() // n
 
     def _done(self, driver: Any, quorum: dict[str, Any], healed: bool) -> bool:
@@ -253,9 +286,12 @@ class FaultTolerance:
         _, _, p = self._roles(quorum)
         if not healed:
             self._samples[p] = 0
+            if self._candidate is not None:  # the round is ok: its residual is this worker's now
+                self._residuals[self._candidate[0]] = self._candidate[1]
             return True
         self.heals += int(not quorum["first"] or self.members[0] != self.worker)
         self._samples = {}
+        self._residuals = {}  # per-worker state starts empty after a heal
         if p >= 0:
             driver.finish_now(driver.fragments[p])
         return False
