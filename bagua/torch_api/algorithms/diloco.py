@@ -3,8 +3,9 @@
 DiLoCo (Douillard et al. 2023, https://arxiv.org/abs/2311.08105): every rank runs ``sync_every`` (``H``) steps of
 its own optimizer (the *inner* optimizer: the one passed to ``with_bagua``) on its own data, without any gradient
 communication; then the ranks average the *pseudo-gradient* ``delta = g - x`` (``g``: the global weights of the
-last synchronization, ``x``: the rank's weights now) and apply an *outer* optimizer (SGD, lr 0.7, Nesterov
-momentum 0.9) to ``g``; every rank continues from the new ``g``. Communication falls by a factor ``H``.
+last synchronization, ``x``: the rank's weights now) and apply an *outer* optimizer (the paper's: SGD, lr 0.7,
+Nesterov momentum 0.9; here by default ``outer_lr="auto"``, which picks it from the number of ranks and ``H``) to
+``g``; every rank continues from the new ``g``. Communication falls by a factor ``H``.
 
 Streaming DiLoCo (https://arxiv.org/abs/2501.18512) adds three things, each a knob here:
 

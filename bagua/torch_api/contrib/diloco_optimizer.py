@@ -11,7 +11,7 @@ for people who keep torch DDP, Accelerate or a Hugging Face ``Trainer``:
 2. after every ``H``-th step (``sync_every``; with ``F`` fragments, each fragment at its own evenly spaced step of
    every round), the fragment's pseudo-gradient ``delta = g - x`` (``g``: its global weights, float32, the same on
    every rank; ``x``: this rank's weights) is averaged over the ranks on a process group of the optimizer's own;
-3. the outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9 by default) steps ``g`` with that average, and the
+3. the outer optimizer (SGD; ``outer_lr="auto"`` by default: lr 1 without momentum at 2-8 workers or H < 100) steps ``g`` with that average, and the
    weights become ``x = g`` (or, when the exchange overlapped ``tau`` inner steps, ``x = alpha * x + (1 - alpha) * g``).
 
 Steps are counted at every call of :meth:`DiLoCoOptimizer.step`, including those that ``torch.amp.GradScaler``
