@@ -59,7 +59,7 @@ def _worker_heal(rank, world_size, inner_state):
     group = heal_group()
     model = make_model(rank)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-    opt = DiLoCoOptimizer(inner, sync_every=2, fragments=2, compression="uint8")
+    opt = DiLoCoOptimizer(inner, sync_every=2, fragments=2, compression="uint8", outer_lr=0.7, outer_momentum=0.9)
     _train(model, opt, rank, 6, 1)
     out = {}
     if rank == 0:
