@@ -4,8 +4,10 @@ The rule comes from the sweeps in ``docs/algorithms/diloco.md`` ("The outer step
 GPT (10.8 M parameters, Adam inner steps, 8 x 128 bytes per worker and step), loss and steps to the benchmark's
 target against DDP's on the same seeds, at 2 and 4 workers and ``sync_every`` of 10 (and 50 at 2 workers):
 
-- plain averaging (``outer_lr=1.0``, no momentum: FedAvg, post-local SGD) was the best outer step found;
+- plain averaging (``outer_lr=1.0``, no momentum: FedAvg, post-local SGD) was the best *constant* outer step found;
 - at 4 workers an outer learning rate above 1 (1.5) and Nesterov momentum 0.5 made slower progress per step;
+- at 4 workers lr 1.0 with Nesterov 0.5 and ``outer_lr_warmup=10`` needed fewer steps than DDP on the seeds run so
+  far (docs); the rule does not use it until it is measured on 3 seeds and at 2 workers;
 - the published setting (``outer_lr=0.7``, Nesterov 0.9, DiLoCo's paper, torchft's default) stalled at 2 workers
   with ``H`` of 10 and 50.
 
