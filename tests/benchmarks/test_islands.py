@@ -1,5 +1,6 @@
 """Smoke test of the islands benchmark: the topology shapes the link between the islands and nothing inside one,
-and every system trains the sharded tiny GPT for 2 steps on it.
+and every system but ``bagua-hsdp`` trains the sharded tiny GPT for 2 steps on it (``bagua-hsdp`` is native HSDP's
+maths bit for bit, tests/sharded/test_sharded_replicas.py; its job would add ~20 s to the suite and check nothing new).
 
 Marked ``netns``: needs root and iproute2, skipped otherwise (as tests/benchmarks/test_netns.py).
 """
@@ -18,6 +19,7 @@ _AVAILABLE, _WHY = netns.netns_available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not _AVAILABLE, reason=_WHY)]
 
 _MB = 2_000_000
+_SYSTEMS = [s for s in SYSTEMS if s != "bagua-hsdp"]
 
 
 def _namespaces() -> set[str]:
@@ -42,7 +44,7 @@ def test_islands_shape_only_the_link_between_them_and_every_system_trains(tmp_pa
             assert sent["x0" if src < 2 else "x1"] >= _MB
             assert 0.5 < between < 3.0 and inside < between / 5, (inside, between)
         rows = [run_islands_job(cluster, system, ["--model", "gpt_tiny", "--max-steps", "2", "--eval-samples", "4"],
-                                str(tmp_path), 29694 + i, timeout_s=240) for i, system in enumerate(SYSTEMS)]
+                                str(tmp_path), 29694 + i, timeout_s=240) for i, system in enumerate(_SYSTEMS)]
         created = set(cluster.namespaces())
         assert created <= _namespaces()
     assert not created & _namespaces(), "namespaces left behind"
@@ -51,6 +53,5 @@ def test_islands_shape_only_the_link_between_them_and_every_system_trains(tmp_pa
         assert row["steps_run"] == 2 and len(row["step_times_s"]) == 2 and row["step_speedup"] > 0
         assert row["final_metric"] < 6.0 and row["link_bytes_run"] > 0
     by_system = {r["system"]: r for r in rows}
-    # Bagua's gradient allreduce between the replicas is native HSDP's maths, bit for bit (tests/sharded)
-    assert by_system["bagua-hsdp"]["curve"][-1][3] == by_system["hsdp"]["curve"][-1][3]
+    assert list(by_system) == _SYSTEMS
     assert by_system["diloco-hsdp"]["settings"][1]["compression"] == "uint4"
