@@ -149,7 +149,8 @@ def _worker_resume(rank, world_size, ckpt_dir, kwargs):
 @pytest.mark.parametrize("kwargs", [
     dict(sync_every=4, fragments=2, overlap_steps=1),
     dict(sync_every=4, fragments=2, overlap_steps=1, compression="uint8"),
-], ids=["overlap", "overlap-uint8-error-feedback"])
+    dict(sync_every=4, fragments=2, overlap_steps=1, outer_lr_warmup=3),  # the ramp goes on where it stopped
+], ids=["overlap", "overlap-uint8-error-feedback", "overlap-outer-lr-warmup"])
 def test_resume_is_bit_identical(tmp_path, kwargs):
     for uninterrupted, resumed, keys in run_workers(_worker_resume, 2, str(tmp_path), kwargs, timeout=120):
         for a, b in zip(uninterrupted, resumed):

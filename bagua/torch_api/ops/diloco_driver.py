@@ -191,10 +191,13 @@ class DiLoCoDriver:
 
     def _warm_outer_lr(self, fragment: Fragment) -> None:
         """With ``outer_lr_warmup=W`` and the default outer SGD: the fragment's ``k``-th outer step (from 0) takes
-        ``outer_lr * min(1, (k + 1) / W)``; fragments step in turn, so ``k`` is ``syncs // fragments``."""
+        ``outer_lr * min(1, (k + 1) / W)``. ``k`` comes from the step its exchange started at (the fragment starts
+        at its offset, then every ``sync_every`` steps), which checkpoints and heals restore, so a resumed run
+        ramps as an uninterrupted one."""
         warmup = getattr(self.hyper, "outer_lr_warmup", 0)
         if warmup and self.hyper.outer_optimizer is None:
-            k = self.syncs // len(self.fragments)
+            started = fragment.pending[0] - self.hyper.overlap_steps
+            k = (started - self._offsets[fragment.index]) // self.hyper.sync_every
             for group in fragment.outer.param_groups:
                 group["lr"] = self.hyper.outer_lr * min(1.0, (k + 1) / warmup)
 
