@@ -38,7 +38,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--api", choices=["optimizer", "algorithm"], default="optimizer")
     ap.add_argument("--compression", default="none")
+    ap.add_argument("--outer", default="auto", help='"auto", or "LR,MOMENTUM" (no warm-up)')
     args = ap.parse_args()
+    outer = {} if args.outer == "auto" else dict(zip(("outer_lr", "outer_momentum"), map(float, args.outer.split(","))))
 
     from bagua.torch_api.contrib.diloco_optimizer import DiLoCoOptimizer
     from bagua.torch_api.fault import FaultTolerance, transfer
@@ -68,11 +70,12 @@ def main() -> None:
 
         bagua.init_process_group()  # no launcher: a job of one process
         model = model.with_bagua([inner], DiLoCoAlgorithm(sync_every=args.sync_every, fragments=args.fragments,
-                                                          compression=args.compression, fault_tolerance=ft))
+                                                          compression=args.compression, fault_tolerance=ft,
+                                                          **outer))
         opt, d = inner, model.bagua_ddp.impl.driver
     else:
         opt = DiLoCoOptimizer(inner, sync_every=args.sync_every, fragments=args.fragments,
-                              compression=args.compression, fault_tolerance=ft)
+                              compression=args.compression, fault_tolerance=ft, **outer)
         d = opt.driver
     while d.steps < args.steps:
         step = d.steps + 1

@@ -14,7 +14,7 @@ checks read what each worker saved at the end:
 - compressed (uint4, error feedback): one round within the codec's bound of the exact average written plainly in
   this file, residuals within half a step; through ``with_bagua``, a worker killed mid-exchange: the survivors
   retry the round, the restarted worker heals, all agree bit for bit;
-- workers started with different settings stop with a clear error on every worker.
+- workers started with different settings (compression, outer step) stop with a clear error on every worker.
 """
 
 from __future__ import annotations
@@ -175,9 +175,11 @@ def _exact_first_round(sync_every: int) -> tuple[torch.Tensor, list[torch.Tensor
 
 
 def test_compressed_round_is_within_the_codec_bound(tmp_path, codec="uint4", levels=15):
-    # one synchronization (H steps); 3 workers and "auto": plain averaging, outer lr 1. Each worker's
-    # pseudo-gradient (one block: the model has 1,540 weights) is quantized once, to a step of range / levels
-    results, _ = _job(tmp_path, {i: ["--steps", str(H), "--compression", codec] for i in range(WORKERS)})
+    # one synchronization (H steps), plain averaging (outer lr 1, no momentum): the new global weights are the
+    # average. Each worker's pseudo-gradient (one block: the model has 1,540 weights) is quantized once, to a step
+    # of range / levels
+    results, _ = _job(tmp_path, {i: ["--steps", str(H), "--compression", codec, "--outer", "1,0"]
+                                 for i in range(WORKERS)})
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0]["global"], r["global"])), "the workers differ"
     exact, deltas = _exact_first_round(H)
@@ -204,11 +206,14 @@ def test_with_bagua_compressed_round_retried_after_a_death_agrees(tmp_path):
 
 
 def test_workers_with_different_settings_stop_with_a_clear_error(tmp_path):
-    extra = {i: PACED + (["--compression", "uint4"] if i == 1 else []) for i in range(WORKERS)}
-    results, codes = _job(tmp_path, extra, expect_failure=True, timeout_s=90.0)
+    # w1 another compression, w2 another outer step (w0 and w1 on "auto", resolved to lr 1.0, Nesterov 0.5)
+    other = {1: ["--compression", "uint4"], 2: ["--outer", "0.7,0.9"]}
+    results, codes = _job(tmp_path, {i: PACED + other.get(i, []) for i in range(WORKERS)}, expect_failure=True,
+                          timeout_s=90.0)
     assert all(c != 0 for c in codes.values()), codes
     for r in results:
-        assert "needs the same sync_every, fragments and compression" in r["log"], r["log"][-2000:]
+        assert "needs the same sync_every, fragments, compression and outer step" in r["log"], r["log"][-2000:]
+    assert "compression=uint4" in results[0]["log"] and "lr=0.7 momentum=0.9" in results[0]["log"]
 
 
 def test_stalled_worker_is_left_out_then_readmitted(tmp_path):

@@ -188,10 +188,11 @@ class DiLoCoAlgorithm(Algorithm):
         sync_every: inner steps between two synchronizations of a fragment (``H``; DiLoCo's papers use hundreds
             on large models; the default, 10, is what reached DDP's target on the measured GPT at 2 and 4 workers).
         outer_lr: learning rate of the default outer optimizer (SGD); ``"auto"`` (default): chosen from the number
-            of ranks that average and ``sync_every`` by :func:`~bagua.torch_api.ops.diloco_outer.auto_outer` (plain
-            averaging, 1.0, up to 8 workers or below 100 steps: measured; the paper's 0.7 beyond).
+            of ranks that average and ``sync_every`` by :func:`~bagua.torch_api.ops.diloco_outer.auto_outer` (up
+            to ``H = 20``: 1.0 with Nesterov 0.5 warmed up over 10 outer steps, measured; the paper's 0.7 / 0.9
+            from ``H = 100`` and 8 workers; plain averaging between).
         outer_momentum: its momentum (0 with ``outer_lr=1`` is plain periodic averaging: FedAvg, Accelerate's
-            ``LocalSGD``, torch's post-local SGD); ``"auto"`` (default): as ``outer_lr`` (0, or the paper's 0.9).
+            ``LocalSGD``, torch's post-local SGD); ``"auto"`` (default): as ``outer_lr``.
         nesterov: Nesterov momentum for the default outer optimizer.
         outer_optimizer: instead of SGD, a factory ``f(list_of_tensors) -> torch.optim.Optimizer`` (picklable, e.g.
             ``functools.partial(torch.optim.Adam, lr=1e-3)``); it steps float32 copies of the weights.
@@ -211,7 +212,8 @@ class DiLoCoAlgorithm(Algorithm):
         fault_tolerance: a :class:`~bagua.torch_api.fault.replica.FaultTolerance`: this process is one worker of
             a job whose workers fail alone (docs/fault_tolerance.md); the model joins the job when it is wrapped.
         outer_lr_warmup: the default outer optimizer's learning rate rises linearly over this many outer steps of
-            each fragment (``outer_lr * k / W`` at its ``k``-th, from 1); 0: none.
+            each fragment (``outer_lr * k / W`` at its ``k``-th, from 1); 0: none; ``"auto"`` (default): the
+            rule's (10 up to ``H = 20``) when ``outer_lr`` is ``"auto"`` too, else none.
 
     Example:
         >>> algorithm = DiLoCoAlgorithm(sync_every=100, fragments=4, overlap_steps=2, compression="uint4")
@@ -233,7 +235,7 @@ class DiLoCoAlgorithm(Algorithm):
     warmup_steps: int = 0
     hierarchical: bool = True
     offload_outer_state: bool = False
-    outer_lr_warmup: int = 0
+    outer_lr_warmup: Union[int, str] = AUTO
     fault_tolerance: Optional[Any] = None
 
     def __post_init__(self) -> None:
@@ -245,7 +247,8 @@ class DiLoCoAlgorithm(Algorithm):
             check_number(owner, "outer_momentum", self.outer_momentum, 0.0, 'the outer SGD\'s momentum, or "auto"')
         if self.outer_momentum != AUTO and self.outer_momentum >= 1:
             raise ValueError(f"{owner}(outer_momentum=...) must be below 1, got {self.outer_momentum!r}")
-        check_int(owner, "outer_lr_warmup", self.outer_lr_warmup, 0, "outer steps of outer-lr warm-up")
+        if self.outer_lr_warmup != AUTO:
+            check_int(owner, "outer_lr_warmup", self.outer_lr_warmup, 0, 'outer steps of outer-lr warm-up, or "auto"')
         for name in ("nesterov", "hierarchical", "offload_outer_state"):
             check_bool(owner, name, getattr(self, name))
         if self.error_feedback is not None:

@@ -77,7 +77,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         sync_every: inner steps between two synchronizations of a fragment (``H``).
         outer_lr, outer_momentum, nesterov: the default outer optimizer, SGD; ``"auto"``: chosen from the
             number of ranks (workers) and ``sync_every`` (:func:`~bagua.torch_api.ops.diloco_outer.auto_outer`).
-        outer_lr_warmup: outer steps over which the outer learning rate rises linearly (0: none).
+        outer_lr_warmup: outer steps over which the outer learning rate rises linearly (0: none; ``"auto"``: the
+            rule's when ``outer_lr`` is ``"auto"`` too, else none).
         outer_optimizer: instead, a factory ``f(list_of_tensors) -> torch.optim.Optimizer``.
         fragments, fragment_layout: Streaming DiLoCo's fragments (1: plain DiLoCo), ``"contiguous"`` or
             ``"strided"``; parameters are taken in the inner optimizer's order.
@@ -125,7 +126,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         block_size: int = 4096,
         warmup_steps: int = 0,
         offload_outer_state: bool = False,
-        outer_lr_warmup: int = 0,
+        outer_lr_warmup: Union[int, str] = "auto",
         process_group: Any = None,
         fault_tolerance: Optional[FaultTolerance] = None,
     ) -> None:

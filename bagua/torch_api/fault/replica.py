@@ -58,9 +58,13 @@ class SettingsDiffer(ValueError):
 
 
 def _settings(driver: Any) -> str:
-    """What every worker of a job must share, as a string written to its slot."""
+    """What every worker of a job must share, as a string written to its slot: the exchange's shape, and the outer
+    step ("auto" resolved; each worker takes it on the same average, so different ones would part the weights)."""
     h = driver.hyper
-    return f"sync_every={h.sync_every} fragments={h.fragments} compression={h.compression} block_size={h.block_size}"
+    outer = ("custom" if h.outer_optimizer is not None else
+             f"lr={h.outer_lr} momentum={h.outer_momentum} nesterov={h.nesterov} lr_warmup={h.outer_lr_warmup}")
+    return (f"sync_every={h.sync_every} fragments={h.fragments} compression={h.compression} "
+            f"block_size={h.block_size} outer: {outer}")
 
 
 class FaultTolerance:
@@ -218,7 +222,8 @@ class FaultTolerance:
         differ = {m["id"]: m.get("settings") for m in quorum["members"] if m.get("settings") != _settings(driver)}
         if differ:
             raise SettingsDiffer(f"worker {self.worker!r} runs DiLoCo with {_settings(driver)}, but {differ}: every "
-                                 "worker of a job needs the same sync_every, fragments and compression; restart "
+                                 "worker of a job needs the same sync_every, fragments, compression and outer "
+                                 "step; restart "
                                  "the workers with one setting")
         healed, sources, p = self._roles(quorum)
         me_healed = self.worker in {m["id"] for m in healed}
