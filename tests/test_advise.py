@@ -31,16 +31,16 @@ EFFICIENCY, STACK_BPS_PER_CORE, MESSAGE_LATENCY_S, CORES = 0.95, 0.73e9 * 8, 1.9
 
 # README "Which algorithm for my link": (link, hosts) -> (algorithm, settings, time to target vs DDP)
 STREAMING = 'sync_every=10, outer_lr=1.0, outer_momentum=0.0, compression="uint4", fragments=2, overlap_steps=3'
-PLAIN = 'sync_every=10, outer_lr=1.0, outer_momentum=0.0, compression="uint4"'
+WARM = 'sync_every=10, outer_lr=1.0, outer_momentum=0.5, outer_lr_warmup=10, compression="uint4"'
 README_PICKS = {
     ("unshaped", 2): ("gradient_allreduce", "defaults", 1.05),
-    ("unshaped", 4): ("gradient_allreduce", "defaults", None),
+    ("unshaped", 4): ("diloco", WARM, 1.42),
     ("1gbit", 2): ("decentralized", "hierarchical=False", 1.35),
-    ("1gbit", 4): ("gradient_allreduce", "defaults", None),  # "at 4 hosts nothing beats DDP on every seed"
+    ("1gbit", 4): ("diloco", WARM, 1.66),
     ("100mbit", 2): ("diloco", STREAMING, 5.95),
-    ("100mbit", 4): ("diloco", PLAIN, 3.59),
+    ("100mbit", 4): ("diloco", WARM, 5.57),
     ("10mbit", 2): ("diloco", STREAMING, 52.5),
-    ("10mbit", 4): ("diloco", STREAMING, 29.0),
+    ("10mbit", 4): ("diloco", WARM, 34.7),
 }
 RATES = {"unshaped": None, "1gbit": 1e9, "100mbit": 1e8, "10mbit": 1e7}
 

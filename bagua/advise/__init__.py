@@ -20,7 +20,7 @@ Words used exactly here:
 Example:
     >>> from bagua.advise import recommend
     >>> recommend(step_s=0.70, model_bytes=43_180_032, bandwidth_bps=1e8, latency_s=2e-3, hosts=4).pick
-    'plain diloco'
+    'warmed-up diloco'
 """
 
 from __future__ import annotations
