@@ -79,7 +79,7 @@ def worker(args: argparse.Namespace) -> None:
     from bagua.torch_api import env
     from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
     from bagua.torch_api.checkpoint import load_checkpoint, save_checkpoint
-    from bagua.torch_api.fault import FaultTolerance
+    from bagua.torch_api.fault import FaultTolerance, driver_heal_state
     from benchmarks.gpt import TextBatches, lm_loss, validation_windows
     from benchmarks.models import MODELS, _text, build_model
     from benchmarks.systems import _make_optimizer
@@ -102,8 +102,9 @@ def worker(args: argparse.Namespace) -> None:
     if ft is None:
         load_checkpoint(args.ckpt_dir, model, inner)  # 0 at the first attempt
     heal = ft is not None and ft.heals > 0
+    heal_bytes = sum(t.numel() * t.element_size() for t in driver_heal_state(driver).values()) if heal else 0
     _say("joined", rank=rank, pid=os.getpid(), attempt=attempt, step=driver.steps,
-         heal_s=f"{ft.heal_seconds[-1]:.4f}" if heal else 0)
+         heal_s=f"{ft.heal_seconds[-1]:.4f}" if heal else 0, heal_bytes=heal_bytes)
     done = ft.rounds if ft is not None else driver.syncs
     while driver.steps < args.max_steps:
         x, y = batches.batch(driver.steps)
@@ -206,7 +207,7 @@ def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, w
         life = k.pop("life")
         j, t = life.joined or {}, k["t"]
         k |= {"healed_after_s": j["t"] - t if j else None, "joined_step": j.get("step"), "heal_s": j.get("heal_s"),
-              "first_sync_after_s": life.first_sync_t and life.first_sync_t - t}
+              "heal_bytes": j.get("heal_bytes"), "first_sync_after_s": life.first_sync_t and life.first_sync_t - t}
     useful = sum(life.last_sync - int(life.joined["step"]) for life in lives if life.joined)
     out = _outcome(_evals(current[0].lines, 0), start, args.target)
     return {"mode": "ft", "kill_every": kill_every, "seed": seed, "kills": kills,
@@ -291,7 +292,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             elif k["healed_after_s"] is not None:
                 sync = k["first_sync_after_s"]
                 print(f"    {k['victim']} at step {k['step']}: healed after {k['healed_after_s']:.1f} s (heal "
-                      f"{float(k['heal_s']):.2f} s), first own synchronization "
+                      f"{float(k['heal_s']):.2f} s, {k['heal_bytes'] / 1e6:.1f} MB), first own synchronization "
                       + (f"after {sync:.1f} s" if sync else "none"))
             else:
                 print(f"    {k['victim']} at step {k['step']}: not back before the target")
