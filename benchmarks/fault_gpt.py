@@ -18,7 +18,8 @@ Nesterov 0.5, the lr warmed up over 10 rounds.
 Time to target: from the launch to the evaluation that reached the target, less w0's (rank 0's) evaluation time;
 start-up is in it, once for a run without failures, again at every restart. Needs root (namespaces).
 
-    .venv/bin/python -m benchmarks.fault_gpt --seeds 0 --runs ft,ft:100,restart:100 --json /tmp/fault_gpt.json
+    .venv/bin/python -m benchmarks.fault_gpt --seeds 0,1,2 --runs ft,ft:100,restart,restart:100 --json /tmp/f.json
+    .venv/bin/python -m benchmarks.fault_gpt --report /tmp/f.json,/tmp/g.json   # the table of saved runs
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default="gpt", help="gpt, or gpt_tiny for a smoke run")
     p.add_argument("--timeout", type=float, default=2400.0, help="seconds per run")
     p.add_argument("--json", default=None)
+    p.add_argument("--report", default=None, help="comma-separated JSON files of earlier runs: print their table")
     for hidden in ("--worker", "--index", "--coordinator", "--ckpt-dir", "--seed"):  # worker mode
         p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -276,15 +278,18 @@ def _kill_by_cmdline(marker: str) -> None:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    base = {r["seed"]: r for r in rows if r["mode"] == "ft" and not r["kill_every"]}
-    print(f"\n{'run':<14} {'seed':>4} {'steps':>6} {'time s':>8} {'/ ft':>6} {'kills':>5} {'final':>7}")
+    """Each run against the same mode's run without failures on its seed (ft:N against ft, restart:N against
+    restart), and the failure-free restart against the failure-free ft."""
+    base = {(r["mode"], r["seed"]): r["time_to_target_s"] for r in rows if not r["kill_every"]}
+    print(f"\n{'run':<12} {'seed':>4} {'steps':>6} {'time s':>8} {'s/step':>7} {'/ no kill':>9} {'/ ft':>6} "
+          f"{'kills':>5} {'final':>7}")
     for r in rows:
-        name = r["mode"] + (f":{r['kill_every']}" if r["kill_every"] else "")
-        ref = base.get(r["seed"], {}).get("time_to_target_s")
-        t = r["time_to_target_s"]
-        ratio = f"{t / ref:6.3f}" if t and ref else "     -"
-        print(f"{name:<14} {r['seed']:>4} {str(r['steps_to_target'] or '-'):>6} "
-              f"{(f'{t:8.1f}' if t else '       -')} {ratio} {len(r['kills']):>5} {r['final_loss'] or 0:7.3f}")
+        name, t = r["mode"] + (f":{r['kill_every']}" if r["kill_every"] else ""), r["time_to_target_s"]
+        own, ft = base.get((r["mode"], r["seed"])), base.get(("ft", r["seed"]))
+        cells = [f"{t:8.1f}" if t else "       -", f"{t / r['steps_to_target']:7.3f}" if t else "      -",
+                 f"{t / own:9.3f}" if t and own else "        -", f"{t / ft:6.3f}" if t and ft else "     -"]
+        print(f"{name:<12} {r['seed']:>4} {str(r['steps_to_target'] or '-'):>6} {' '.join(cells)} "
+              f"{len(r['kills']):>5} {r['final_loss'] or 0:7.3f}")
         for k in r["kills"]:
             if r["mode"] == "restart":
                 print(f"    {k['victim']} at step {k['step']}: all ranks stepping again after "
@@ -292,16 +297,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             elif k["healed_after_s"] is not None:
                 sync = k["first_sync_after_s"]
                 print(f"    {k['victim']} at step {k['step']}: healed after {k['healed_after_s']:.1f} s (heal "
-                      f"{float(k['heal_s']):.2f} s, {k['heal_bytes'] / 1e6:.1f} MB), first own synchronization "
-                      + (f"after {sync:.1f} s" if sync else "none"))
+                      f"{float(k['heal_s']):.2f} s, {(k.get('heal_bytes') or 0) / 1e6:.1f} MB), first own "
+                      "synchronization " + (f"after {sync:.1f} s" if sync else "none"))
             else:
                 print(f"    {k['victim']} at step {k['step']}: not back before the target")
     for mode in sorted({(r["mode"], r["kill_every"]) for r in rows if r["kill_every"]}):
-        ratios = [r["time_to_target_s"] / base[r["seed"]]["time_to_target_s"] for r in rows
-                  if (r["mode"], r["kill_every"]) == mode and r["time_to_target_s"] and r["seed"] in base
-                  and base[r["seed"]]["time_to_target_s"]]
+        ratios = [r["time_to_target_s"] / base[(r["mode"], r["seed"])] for r in rows
+                  if (r["mode"], r["kill_every"]) == mode and r["time_to_target_s"]
+                  and base.get((r["mode"], r["seed"]))]
         if ratios:
-            print(f"median time to target / ft without failure, {mode[0]}:{mode[1]}: "
+            print(f"median time to target / the same mode without failures, {mode[0]}:{mode[1]}: "
                   f"{statistics.median(ratios):.3f} over {len(ratios)} seed(s)")
 
 
@@ -309,6 +314,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.worker:
         worker(args)
+        return 0
+    if args.report:
+        print_table([r for f in args.report.split(",") for r in json.loads(Path(f).read_text())["rows"]])
         return 0
     from benchmarks import netns
 
