@@ -49,7 +49,8 @@ DILOCO = dict(sync_every=10, hierarchical=False, compression="uint4", outer_lr=1
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", default="ft,ft:100,restart:100",
-                   help="comma-separated: ft (no failure), ft:N (a kill every N steps), restart:N")
+                   help="comma-separated: ft (no failure), ft:N (a kill every N steps), restart:N; ft+inner:N "
+                        "heals with the peer's inner optimizer state (FaultTolerance(inner_state=True))")
     p.add_argument("--seeds", default="0")
     p.add_argument("--rate", default="100mbit", help="every host's link (tbf); 'unshaped' for none")
     p.add_argument("--target", type=float, default=2.40)
@@ -60,9 +61,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=2400.0, help="seconds per run")
     p.add_argument("--json", default=None)
     p.add_argument("--report", default=None, help="comma-separated JSON files of earlier runs: print their table")
-    for hidden in ("--worker", "--index", "--coordinator", "--ckpt-dir", "--seed"):  # worker mode
+    for hidden in ("--worker", "--index", "--coordinator", "--ckpt-dir", "--seed", "--inner-state"):  # worker mode
         p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    bad = [r for r in args.runs.split(",") if r.partition(":")[0] not in ("ft", "ft+inner", "ft+fresh", "restart")]
+    if bad:
+        p.error(f"--runs: unknown {bad}; use ft, ft+inner, ft+fresh or restart, each with an optional :N")
     if args.eval_every % DILOCO["sync_every"]:
         p.error(f"--eval-every must be a multiple of H = {DILOCO['sync_every']}: the global weights are evaluated")
     names = ("target", "max_steps", "eval_every", "checkpoint_every", "model", "timeout")
@@ -90,7 +94,8 @@ def worker(args: argparse.Namespace) -> None:
     spec, seed, attempt = MODELS[args.model], int(args.seed), env.get_int("TORCHELASTIC_RESTART_COUNT", 0)
     ft = None
     if args.worker == "ft":  # library defaults: heartbeat 0.5 s, stale after 3 s, adaptive deadline, min_quorum 1
-        ft = FaultTolerance(args.coordinator, worker=f"w{args.index}", workers=WORKERS, timeout_s=args.timeout)
+        ft = FaultTolerance(args.coordinator, worker=f"w{args.index}", workers=WORKERS, timeout_s=args.timeout,
+                            **({"inner_state": args.inner_state == "1"} if args.inner_state else {}))
     bagua.init_process_group()  # ft: no launcher variables, a job of one process
     rank = int(args.index) if ft is not None else bagua.get_rank()
     train, val = _text(args.model)
@@ -104,7 +109,10 @@ def worker(args: argparse.Namespace) -> None:
     if ft is None:
         load_checkpoint(args.ckpt_dir, model, inner)  # 0 at the first attempt
     heal = ft is not None and ft.heals > 0
-    heal_bytes = sum(t.numel() * t.element_size() for t in driver_heal_state(driver).values()) if heal else 0
+    state = list(driver_heal_state(driver).values()) if heal else []
+    state += [t for s in inner.state_dict()["state"].values() for t in s.values()
+              if torch.is_tensor(t) and t.dim()] if heal and ft.inner_state else []  # Adam's moments, not step
+    heal_bytes = sum(t.numel() * t.element_size() for t in state)
     _say("joined", rank=rank, pid=os.getpid(), attempt=attempt, step=driver.steps,
          heal_s=f"{ft.heal_seconds[-1]:.4f}" if heal else 0, heal_bytes=heal_bytes)
     done = ft.rounds if ft is not None else driver.syncs
@@ -163,8 +171,10 @@ def _start_coordinator(host: Any, port: int, log: Path) -> subprocess.Popen:
     return proc
 
 
-def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, workdir: Path) -> dict[str, Any]:
-    """Four fault-tolerant workers to the target; with ``kill_every``, SIGKILL and restart one on the schedule."""
+def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, workdir: Path,
+           inner_state: Optional[bool] = None) -> dict[str, Any]:
+    """Four fault-tolerant workers to the target; with ``kill_every``, SIGKILL and restart one on the schedule;
+    ``inner_state``: what a healed worker takes (``None``: the library's default)."""
     port = 29600 + seed
     coordinator = _start_coordinator(cluster.hosts[WORKERS], port, workdir / f"coord-{kill_every}-{seed}.log")
     lives: list[_Life] = []
@@ -174,6 +184,7 @@ def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, w
         cmd = host.exec_prefix() + [sys.executable, "-m", "benchmarks.fault_gpt", "--worker", "ft", "--index",
                                     str(i), "--seed", str(seed), "--coordinator",
                                     f"{cluster.hosts[WORKERS].address}:{port}", *args.shared]
+        cmd += [] if inner_state is None else ["--inner-state", str(int(inner_state))]
         lives.append(_Life(cmd, workdir / f"ft{kill_every}-s{seed}-w{i}-{len(lives)}.log",
                            {"GLOO_SOCKET_IFNAME": host.iface}))
         return lives[-1]
@@ -212,7 +223,8 @@ def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, w
               "heal_bytes": j.get("heal_bytes"), "first_sync_after_s": life.first_sync_t and life.first_sync_t - t}
     useful = sum(life.last_sync - int(life.joined["step"]) for life in lives if life.joined)
     out = _outcome(_evals(current[0].lines, 0), start, args.target)
-    return {"mode": "ft", "kill_every": kill_every, "seed": seed, "kills": kills,
+    return {"mode": "ft" if inner_state is None else f"ft+inner={int(inner_state)}", "kill_every": kill_every,
+            "seed": seed, "kills": kills,
             "goodput": useful / (WORKERS * max(int(out["steps_to_target"] or 0), 1)), **out}
 
 
@@ -277,6 +289,11 @@ def _kill_by_cmdline(marker: str) -> None:
             pass
 
 
+def _family(mode: str) -> str:
+    """The failure-free run a run is compared with: ft (every fault-tolerant variant) or restart."""
+    return "restart" if mode == "restart" else "ft"
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     """Each run against the same mode's run without failures on its seed (ft:N against ft, restart:N against
     restart), and the failure-free restart against the failure-free ft."""
@@ -285,7 +302,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
           f"{'kills':>5} {'final':>7}")
     for r in rows:
         name, t = r["mode"] + (f":{r['kill_every']}" if r["kill_every"] else ""), r["time_to_target_s"]
-        own, ft = base.get((r["mode"], r["seed"])), base.get(("ft", r["seed"]))
+        own, ft = base.get((_family(r["mode"]), r["seed"])), base.get(("ft", r["seed"]))
         cells = [f"{t:8.1f}" if t else "       -", f"{t / r['steps_to_target']:7.3f}" if t else "      -",
                  f"{t / own:9.3f}" if t and own else "        -", f"{t / ft:6.3f}" if t and ft else "     -"]
         print(f"{name:<12} {r['seed']:>4} {str(r['steps_to_target'] or '-'):>6} {' '.join(cells)} "
@@ -302,9 +319,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             else:
                 print(f"    {k['victim']} at step {k['step']}: not back before the target")
     for mode in sorted({(r["mode"], r["kill_every"]) for r in rows if r["kill_every"]}):
-        ratios = [r["time_to_target_s"] / base[(r["mode"], r["seed"])] for r in rows
+        ratios = [r["time_to_target_s"] / base[(_family(r["mode"]), r["seed"])] for r in rows
                   if (r["mode"], r["kill_every"]) == mode and r["time_to_target_s"]
-                  and base.get((r["mode"], r["seed"]))]
+                  and base.get((_family(r["mode"]), r["seed"]))]
         if ratios:
             print(f"median time to target / the same mode without failures, {mode[0]}:{mode[1]}: "
                   f"{statistics.median(ratios):.3f} over {len(ratios)} seed(s)")
@@ -329,8 +346,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         for seed in (int(s) for s in args.seeds.split(",")):
             for mode, n in runs:
                 t0 = time.strftime("%H:%M:%S")
-                run = run_ft if mode == "ft" else run_restart
-                rows.append(run(args, cluster, seed, n, Path(tmp)) | {"started": t0, "load": os.getloadavg()[0]})
+                if mode == "restart":
+                    row = run_restart(args, cluster, seed, n, Path(tmp))
+                else:
+                    inner = None if mode == "ft" else mode == "ft+inner"  # ft+inner / ft+fresh: set explicitly
+                    row = run_ft(args, cluster, seed, n, Path(tmp), inner)
+                rows.append(row | {"started": t0, "load": os.getloadavg()[0]})
                 print(f"[{t0}] {mode}:{n} seed {seed}: steps {rows[-1]['steps_to_target']}, "
                       f"time {rows[-1]['time_to_target_s']}", flush=True)
                 if args.json:
