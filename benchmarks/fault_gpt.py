@@ -57,6 +57,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=500)
     p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (restart)")
+    p.add_argument("--kill-offset", type=int, default=0,
+                   help="kill at N + offset, 2N + offset, ...: 0 lands each kill right after a synchronization and a "
+                        "checkpoint (no step redone); 25 with N = 100 mid-round and half a checkpoint interval late")
     p.add_argument("--model", default="gpt", help="gpt, or gpt_tiny for a smoke run")
     p.add_argument("--timeout", type=float, default=2400.0, help="seconds per run")
     p.add_argument("--json", default=None)
@@ -191,7 +194,7 @@ def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, w
 
     start = time.time()
     current = {i: spawn(i) for i in range(WORKERS)}
-    plan = list(range(kill_every, args.max_steps, kill_every)) if kill_every else []
+    plan = list(range(kill_every + args.kill_offset, args.max_steps, kill_every)) if kill_every else []
     kills: list[dict[str, Any]] = []
     try:
         while True:
@@ -234,7 +237,7 @@ def run_restart(args: argparse.Namespace, cluster: Any, seed: int, kill_every: i
     from bagua.torch_api import env
 
     ckpt = workdir / f"ckpt-{kill_every}-{seed}"
-    plan = list(range(kill_every, args.max_steps, kill_every)) if kill_every else []
+    plan = list(range(kill_every + args.kill_offset, args.max_steps, kill_every)) if kill_every else []
     kills: list[dict[str, Any]] = []
     pids: dict[tuple[int, int], int] = {}
     prefix, master = cluster.hosts[0].namespace[:-1], cluster.hosts[0].address  # "<prefix>h0" -> "<prefix>h"
