@@ -8,9 +8,10 @@ own, every link shaped to ``--rate`` (:class:`benchmarks.netns.NetnsCluster`). E
 Nesterov 0.5, the lr warmed up over 10 rounds.
 
 - ``ft``: ``DiLoCoAlgorithm(fault_tolerance=FaultTolerance(...))``, each worker a one-process job, the coordinator
-  on a fifth host. With ``--kill-every N`` one worker (w1, w2, w3 in turn) is SIGKILLed every N job steps and
-  restarted at once (what a launcher with ``--max-restarts`` does); it heals from a live peer.
-- ``restart``, the baseline: the same DiLoCo in one 4-rank job under ``python -m bagua.distributed.run
+  on a fifth host. ``ft:N``: one worker (w1, w2, w3 in turn) is SIGKILLed every N job steps (``--kill-offset``
+  later) and restarted at once (what a launcher with ``--max-restarts`` does); it heals from a live peer.
+  ``ft+inner:N`` / ``ft+fresh:N``: the same, the healed worker taking the peer's inner optimizer state or not.
+- ``restart:N``, the baseline: the same DiLoCo in one 4-rank job under ``python -m bagua.distributed.run
   --max-restarts`` (one agent; each rank enters its host's namespace), every rank checkpointing every
   ``--checkpoint-every`` steps (``bagua.torch_api.checkpoint``); at each kill the agent restarts all ranks, which
   load the last checkpoint.
