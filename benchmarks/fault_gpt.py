@@ -29,7 +29,6 @@ import argparse
 import copy
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.fault_kill import ROOT, WORKERS, _fail, _Life, _say
+from benchmarks.fault_kill import _fail, _Life, _say
+from benchmarks.kills import WORKERS, RestartKills, kill_by_cmdline, kill_due, rejoin_times
 
 __all__ = ["parse_args", "worker", "run_ft", "run_restart", "main"]
 
@@ -203,12 +203,7 @@ def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, w
                 life.read()
             if _outcome(_evals(current[0].lines, 0), start, args.target)["reached"] or current[0].poll() == 0:
                 break
-            if plan and max(life.step for life in current.values()) >= plan[0]:
-                victim = 1 + len(kills) % (WORKERS - 1)
-                current[victim].kill()
-                kills.append({"victim": f"w{victim}", "step": current[victim].step, "t": time.time()})
-                current[victim] = spawn(victim)
-                kills[-1]["life"], plan = current[victim], plan[1:]
+            plan = kill_due(current, kills, plan, spawn)
             codes = {i: life.poll() for i, life in current.items()}
             if any(c not in (None, 0) for c in codes.values()):
                 raise _fail(f"ft: a worker failed, exit codes {codes}", current.values())
@@ -220,11 +215,7 @@ def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, w
             life.kill()
         coordinator.kill()
         coordinator.wait()
-    for k in kills:
-        life = k.pop("life")
-        j, t = life.joined or {}, k["t"]
-        k |= {"healed_after_s": j["t"] - t if j else None, "joined_step": j.get("step"), "heal_s": j.get("heal_s"),
-              "heal_bytes": j.get("heal_bytes"), "first_sync_after_s": life.first_sync_t and life.first_sync_t - t}
+    rejoin_times(kills)
     useful = sum(life.last_sync - int(life.joined["step"]) for life in lives if life.joined)
     out = _outcome(_evals(current[0].lines, 0), start, args.target)
     return {"mode": "ft" if inner_state is None else f"ft+inner={int(inner_state)}", "kill_every": kill_every,
@@ -239,8 +230,7 @@ def run_restart(args: argparse.Namespace, cluster: Any, seed: int, kill_every: i
 
     ckpt = workdir / f"ckpt-{kill_every}-{seed}"
     plan = list(range(kill_every + args.kill_offset, args.max_steps, kill_every)) if kill_every else []
-    kills: list[dict[str, Any]] = []
-    pids: dict[tuple[int, int], int] = {}
+    schedule = RestartKills(plan)
     prefix, master = cluster.hosts[0].namespace[:-1], cluster.hosts[0].address  # "<prefix>h0" -> "<prefix>h"
     # each rank enters the namespace of its host; the ranks' own store (not the agent's) is on host 0
     script = workdir / "enter_host.sh"
@@ -252,45 +242,24 @@ def run_restart(args: argparse.Namespace, cluster: Any, seed: int, kill_every: i
                    str(script), sys.executable, "-m", "benchmarks.fault_gpt", "--worker", "ckpt", "--seed", str(seed),
                    "--ckpt-dir", str(ckpt), *args.shared],
                   workdir / f"restart{kill_every}-s{seed}.log", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    start, attempt_step = time.time(), {0: 0}
+    start = time.time()
     try:
         while agent.poll() is None:
-            for line in agent.read():
-                if line["kind"] == "joined":
-                    pids[(int(line["attempt"]), int(line["rank"]))] = int(line["pid"])
-                elif line["kind"] == "step":
-                    a = int(line["attempt"])
-                    attempt_step[a] = max(attempt_step.get(a, 0), int(line["step"]))
-                    if a and a == len(kills) and "back_after_s" not in kills[-1]:
-                        kills[-1] |= {"back_after_s": line["t"] - kills[-1]["t"], "resumed_step": int(line["step"]) - 1}
+            schedule.see(agent.read())
             if _outcome(_evals(agent.lines, 0), start, args.target)["reached"]:
                 break
-            victim, a = 1 + len(kills) % (WORKERS - 1), len(kills)
-            if plan and attempt_step.get(a, 0) >= plan[0] and (a, victim) in pids:
-                os.kill(pids[(a, victim)], signal.SIGKILL)
-                kills.append({"victim": f"rank{victim}", "step": attempt_step[a], "t": time.time()})
-                plan = plan[1:]
+            schedule.kill_due()
             if time.time() - start > args.timeout:
                 raise _fail(f"restart: no result within {args.timeout:.0f} s (--timeout)", [agent])
             time.sleep(0.05)
     finally:
         agent.kill()
-        _kill_by_cmdline(str(ckpt))
+        kill_by_cmdline(str(ckpt))
     agent.read()
     out = _outcome(_evals(agent.lines, 0), start, args.target)
     if not out["curve"]:
         raise _fail(f"restart: rank 0 never evaluated (agent exit {agent.proc.returncode})", [agent])
-    return {"mode": "restart", "kill_every": kill_every, "seed": seed, "kills": kills, **out}
-
-
-def _kill_by_cmdline(marker: str) -> None:
-    """The ranks run in sessions of their own: end stragglers whose command line names this run's folder."""
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if marker in (proc / "cmdline").read_text(errors="replace"):
-                os.kill(int(proc.name), signal.SIGKILL)
-        except OSError:
-            pass
+    return {"mode": "restart", "kill_every": kill_every, "seed": seed, "kills": schedule.kills, **out}
 
 
 def _family(mode: str) -> str:

@@ -36,8 +36,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+from benchmarks.kills import WORKERS, RestartKills, kill_by_cmdline, kill_due, rejoin_times
+
 ROOT = Path(__file__).resolve().parents[1]
-WORKERS, _DIM, _HIDDEN = 4, 32, 256
+_DIM, _HIDDEN = 32, 256
 
 __all__ = ["parse_args", "worker", "run_job", "run_restart", "main"]
 
@@ -250,12 +252,7 @@ def run_job(args: argparse.Namespace, mode: str, workdir: Path, kill: bool = Fal
         while True:
             for life in current.values():
                 life.read()
-            if plan and max(life.step for life in current.values()) >= plan[0]:
-                victim = 1 + len(kills) % (WORKERS - 1)
-                current[victim].kill()
-                kills.append({"victim": f"w{victim}", "step": current[victim].step, "t": time.time()})
-                current[victim] = spawn(victim)
-                kills[-1]["life"], plan = current[victim], plan[1:]
+            plan = kill_due(current, kills, plan, spawn)
             codes = {i: life.poll() for i, life in current.items()}
             if any(c not in (None, 0) for c in codes.values()):
                 raise _fail(f"{mode}: a worker failed, exit codes {codes}", current.values())
@@ -276,11 +273,7 @@ def run_job(args: argparse.Namespace, mode: str, workdir: Path, kill: bool = Fal
     for life in lives:
         life.read()
     wall = max(life.end_t for life in current.values() if life.proc.returncode == 0) - start
-    for k in kills:  # the restarted worker's lines: healed ("joined") and its first synchronization
-        life = k.pop("life")
-        j, t = life.joined or {}, k["t"]
-        k |= {"healed_after_s": j["t"] - t if j else None, "joined_step": j.get("step"), "heal_s": j.get("heal_s"),
-              "heal_bytes": j.get("heal_bytes"), "first_sync_after_s": life.first_sync_t and life.first_sync_t - t}
+    rejoin_times(kills)
     results = [line for life in lives for line in life.lines if line["kind"] == "result"]
     useful = sum(life.last_sync - int(life.joined["step"]) for life in lives if life.joined)
     rounds = [s for r in results for s in r["round_s"]]
@@ -295,44 +288,30 @@ def run_restart(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Plain DiLoCo under the elastic agent, checkpointing; SIGKILL a rank on the schedule, the agent restarts all."""
     from bagua.torch_api import env
 
-    plan, kills, pids, attempt_step = args.kills, [], {}, {0: 0}
+    schedule = RestartKills(args.kills)
     # a store of each attempt's own (c10d, not shared): on the static rendezvous's one store the restarted ranks read
     # the killed attempt's gloo addresses and fail, "Connection refused" (torch 2.13; cf. pytorch/pytorch#167288)
     agent = _Life([sys.executable, "-m", "bagua.distributed.run", "--nproc-per-node", str(WORKERS),
-                   "--max-restarts", str(len(plan) + 1), "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
-                   "--rdzv-endpoint", f"127.0.0.1:{env.find_free_network_port()}", "-m", "benchmarks.fault_kill",
+                   "--max-restarts", str(len(args.kills) + 1), "--monitor-interval", "0.1", "--rdzv-backend",
+                   "c10d", "--rdzv-endpoint", f"127.0.0.1:{env.find_free_network_port()}", "-m", "benchmarks.fault_kill",
                    "--worker", "ckpt", "--ckpt-dir", str(workdir / "ckpt"), *args.shared],
                   workdir / "restart.log", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     start = time.time()
     try:
         while agent.poll() is None:
-            for line in agent.read():
-                if line["kind"] == "joined":
-                    pids[(int(line["attempt"]), int(line["rank"]))] = int(line["pid"])
-                elif line["kind"] == "step":
-                    a = int(line["attempt"])
-                    attempt_step[a] = max(attempt_step.get(a, 0), int(line["step"]))
-                    if a and a == len(kills) and "back_after_s" not in kills[-1]:
-                        kills[-1] |= {"back_after_s": line["t"] - kills[-1]["t"], "resumed_step": int(line["step"]) - 1}
-            victim, a = 1 + len(kills) % (WORKERS - 1), len(kills)  # kill k in attempt k, by its own lines
-            if plan and attempt_step.get(a, 0) >= plan[0] and (a, victim) in pids:
-                os.kill(pids[(a, victim)], signal.SIGKILL)
-                kills.append({"victim": f"rank{victim}", "step": attempt_step[a], "t": time.time()})
-                plan = plan[1:]
+            schedule.see(agent.read())
+            schedule.kill_due()
             if time.time() - start > args.timeout:
                 raise _fail(f"restart: the job did not finish within {args.timeout:.0f} s (--timeout)", [agent])
             time.sleep(0.05)
     finally:
         agent.kill()
-        for proc in Path("/proc").glob("[0-9]*"):  # the ranks run in sessions of their own: end stragglers, found
-            with contextlib.suppress(OSError):    # by this run's checkpoint folder on their command lines
-                if str(workdir / "ckpt") in (proc / "cmdline").read_text(errors="replace"):
-                    os.kill(int(proc.name), signal.SIGKILL)
+        kill_by_cmdline(str(workdir / "ckpt"))  # the ranks run in sessions of their own: end stragglers
     agent.read()
     if agent.proc.returncode != 0:
         raise _fail(f"restart: the agent exited with {agent.proc.returncode}", [agent])
     wall, result = agent.end_t - start, [x for x in agent.lines if x["kind"] == "result" and x["rank"] == 0][-1]
-    return {"mode": "restart", "kills": kills, "wall_s": wall, "goodput": args.steps / wall, "loss": result["loss"]}
+    return {"mode": "restart", "kills": schedule.kills, "wall_s": wall, "goodput": args.steps / wall, "loss": result["loss"]}
 
 
 def print_overhead(pairs: list[dict[str, Any]]) -> None:
