@@ -7,6 +7,8 @@ of its replica's two shard ranks) for DiLoCo.
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -149,13 +151,31 @@ def _worker_errors(rank, world):
         (sharded, ByteGradAlgorithm(nonfinite="skip"), {"device_mesh": mesh, "replicate_dim": "replicate"}),
         (hsdp, GradientAllReduceAlgorithm(), {"device_mesh": mesh, "replicate_dim": "replicate"}),
     ]
+    # a fault-tolerant worker is one replica: its mesh must be (1, shards)
+    from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+    from bagua.torch_api.fault import FaultTolerance
+    from bagua.torch_api.fault.coordinator import start_coordinator
+
+    port = torch.tensor([0])
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port[0] = s.getsockname()[1]
+        coordinator = start_coordinator("127.0.0.1", int(port))
+    dist.broadcast(port, 0)
+    ft = FaultTolerance(f"127.0.0.1:{int(port)}", worker=f"w{rank}", workers=4, timeout_s=30.0)
+    cases.append((sharded, DiLoCoAlgorithm(fault_tolerance=ft), {"device_mesh": mesh, "replicate_dim": "replicate"}))
     for model, algorithm, kwargs in cases:
         try:
             model.with_bagua([torch.optim.SGD(model.parameters(), lr=0.1)], algorithm, **kwargs)
             messages.append(None)
         except ValueError as exc:
             messages.append(str(exc))
+    ft.close()
     dist.barrier()
+    if rank == 0:
+        coordinator.kill()
+        coordinator.wait()
     return messages
 
 
@@ -168,4 +188,5 @@ def test_unsupported_settings_raise_on_every_rank_saying_what_to_do():
         assert messages[2] is not None and "device_mesh=mesh" in messages[2]
         assert messages[3] is not None and "nonfinite=" in messages[3]
         assert messages[4] is not None and "native HSDP" in messages[4]
+        assert messages[5] is not None and "build the mesh as (1, shards)" in messages[5]
 

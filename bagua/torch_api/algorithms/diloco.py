@@ -70,9 +70,11 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         fault = algorithm.fault_tolerance
         if fault is not None:  # one worker of a fault-tolerant job: its exchanges go over the round's live workers
             if len(process_group.ranks) != 1:
-                raise ValueError("DiLoCoAlgorithm(fault_tolerance=...): each worker is one process (a job of its "
-                                 f"own); this model's group has {len(process_group.ranks)} ranks. Start one process "
-                                 "per worker, each with its own bagua.init_process_group()")
+                raise ValueError("DiLoCoAlgorithm(fault_tolerance=...): each worker is one replica (a job of its "
+                                 f"own); this model's group has {len(process_group.ranks)} ranks holding whole "
+                                 "models. Start one process per worker, or shard the model over the worker's "
+                                 "ranks with FSDP2 and pass with_bagua(..., device_mesh=mesh, replicate_dim=...) "
+                                 "with a (1, shards) mesh")
             self.driver = DiLoCoDriver(algorithm, "DiLoCo", fault=fault)
         else:
             exchange_group = process_group.private_copy("diloco") if algorithm.overlap_steps > 0 else process_group

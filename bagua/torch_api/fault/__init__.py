@@ -6,7 +6,8 @@
 
 - :mod:`~bagua.torch_api.fault.replica`: :class:`FaultTolerance`, DiLoCo over whichever workers are alive (each
   worker a job of its own), a quorum per synchronization (:mod:`~bagua.torch_api.fault.quorum`) agreed through
-  the coordinator's ``TCPStore`` (:mod:`~bagua.torch_api.fault.coordinator`).
+  the coordinator's ``TCPStore`` (:mod:`~bagua.torch_api.fault.coordinator`); a worker may be several ranks
+  holding an FSDP2-sharded model, its first rank speaking for it (:mod:`~bagua.torch_api.fault.ranks`).
 
 See docs/fault_tolerance.md.
 

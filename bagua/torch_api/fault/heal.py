@@ -159,9 +159,34 @@ def serve_driver(driver: Any, dst: int, group: Any = None, optimizer: Optional[t
     state = driver_heal_state(driver)
     if optimizer is not None:
         inner = optimizer.state_dict()
-        state.update(flatten_optimizer_state({"state": inner["state"] if inner_state else {},
+        state.update(flatten_optimizer_state({"state": _local(inner["state"]) if inner_state else {},
                                               "param_groups": inner["param_groups"]}))
     return send_state(state, dst, group)
+
+
+def _local(state: dict[Any, Any]) -> dict[Any, Any]:
+    """An optimizer's per-parameter state with each DTensor (a sharded parameter's, FSDP2) as this rank's shard."""
+    return {k: {n: v.to_local() if hasattr(v, "to_local") else v for n, v in entry.items()}
+            for k, entry in state.items()}
+
+
+def _sharded_like(optimizer: torch.optim.Optimizer, state: dict[Any, Any]) -> dict[Any, Any]:
+    """The inverse of :func:`_local` on this rank: each shard of a sharded parameter's state as a DTensor laid out
+    as the parameter (the same shard of the same parameter, sent by the same shard's rank of a peer)."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out = {}
+    for k, entry in state.items():
+        p = params[int(k)]
+        if isinstance(p, DTensor):
+            local = p.to_local()
+            entry = {n: DTensor.from_local(v, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                           stride=p.stride())
+                     if torch.is_tensor(v) and v.shape == local.shape and v.dim() > 0 else v
+                     for n, v in entry.items()}
+        out[k] = entry
+    return out
 
 
 @torch.no_grad()
@@ -195,5 +220,6 @@ def heal_driver(driver: Any, src: int, group: Any = None, optimizer: Optional[to
     if optimizer is None or not inner:
         return False
     peer = unflatten_optimizer_state(inner)
+    peer["state"] = _sharded_like(optimizer, peer["state"])
     optimizer.load_state_dict(peer)  # an empty "state": the moments start fresh, as a new optimizer's
     return bool(peer["state"])

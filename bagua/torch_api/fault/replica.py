@@ -16,6 +16,12 @@ which restarts it alone); the workers share no torch world. At each synchronizat
 5. a member whose exchange failed (a peer died mid-way) says so, and the survivors run the round again, from their
    pseudo-gradients as they were before it.
 
+A worker may also be a job of several ranks holding the model sharded with FSDP2 (``with_bagua(...,
+device_mesh=mesh)`` with a ``(1, shards)`` mesh): its first rank takes part in the quorum for it and shares it
+with its other ranks (:mod:`~bagua.torch_api.fault.ranks`); each rank heals and averages its own shard with the
+same shard's ranks of the other members, on a gloo group per shard; the worker's exchange is ``ok`` only when it
+was on every shard, so a round is retried, or kept, for all shards at once.
+
 Example:
     >>> ft = FaultTolerance("10.0.0.1:29600", worker="site-a", workers=4, min_quorum=2)  # doctest: +SKIP
     >>> opt = DiLoCoOptimizer(torch.optim.AdamW(model.parameters()), sync_every=100, fault_tolerance=ft)  # doctest: +SKIP
@@ -31,7 +37,7 @@ import math
 import socket
 import statistics
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -39,6 +45,7 @@ import torch.distributed as dist
 from bagua.torch_api.fault.compressed import compressed_average, wire_bytes
 from bagua.torch_api.fault.heal import TAKE_INNER_STATE, heal_driver, serve_driver
 from bagua.torch_api.fault.quorum import Excluded, Quorums
+from bagua.torch_api.fault.ranks import WorkerRanks
 
 __all__ = ["FaultTolerance"]
 
@@ -57,14 +64,15 @@ class SettingsDiffer(ValueError):
     """The members of a round run DiLoCo with different settings: the job cannot go on (never retried)."""
 
 
-def _settings(driver: Any) -> str:
-    """What every worker of a job must share, as a string written to its slot: the exchange's shape, and the outer
-    step ("auto" resolved; each worker takes it on the same average, so different ones would part the weights)."""
+def _settings(driver: Any, ranks: int) -> str:
+    """What every worker of a job must share, as a string written to its slot: the exchange's shape, the outer
+    step ("auto" resolved; each worker takes it on the same average, so different ones would part the weights) and
+    the ranks (shards) per worker."""
     h = driver.hyper
     outer = ("custom" if h.outer_optimizer is not None else
              f"lr={h.outer_lr} momentum={h.outer_momentum} nesterov={h.nesterov} lr_warmup={h.outer_lr_warmup}")
     return (f"sync_every={h.sync_every} fragments={h.fragments} compression={h.compression} "
-            f"block_size={h.block_size} outer: {outer}")
+            f"block_size={h.block_size} ranks={ranks} outer: {outer}")
 
 
 class FaultTolerance:
@@ -108,6 +116,8 @@ class FaultTolerance:
                                stale_s=stale_s, timeout_s=timeout_s, prefix=prefix)
         self.hostname = hostname or _route_to(coordinator)
         self.optimizer: Optional[torch.optim.Optimizer] = None  # the inner optimizer, set by DiLoCoOptimizer
+        #: a worker of several ranks (a sharded model): its ranks, set by :meth:`bind_ranks`; None: one process
+        self.ranks: Optional[WorkerRanks] = None
         # internal state
         self._group: Optional[Any] = None
         self._epoch: Optional[int] = None
@@ -124,6 +134,37 @@ class FaultTolerance:
     @property
     def worker(self) -> str:
         return self.quorums.worker
+
+    @property
+    def workers(self) -> int:
+        """The job's number of workers."""
+        return self.quorums.workers
+
+    def bind_ranks(self, ranks: list[int]) -> None:
+        """Make this process one of the ``ranks`` (global ranks of this worker's torch world) of a worker whose
+        model is sharded over them; collective over that world. The first rank speaks for the worker to the
+        coordinator, the others stop their heartbeat and follow it; each exchanges its own shard (see
+        :mod:`~bagua.torch_api.fault.ranks`). ``with_bagua(..., device_mesh=...)`` calls it."""
+        if self.ranks is not None or len(ranks) < 2:
+            return
+        # the first rank's waits on the coordinator bound how long the others wait for it
+        self.ranks = WorkerRanks(ranks, timeout_s=2 * self.quorums.timeout_s + 60.0)
+        if self.ranks.rank != 0:
+            self.quorums.close()
+
+    def _settings(self, driver: Any) -> str:
+        return _settings(driver, self.ranks.size if self.ranks is not None else 1)
+
+    def _lead(self, fn: Callable[[], Any]) -> Any:
+        """Run a call on the coordinator: here, or on the worker's first rank, shared with its other ranks."""
+        return self.ranks.share(fn) if self.ranks is not None else fn()
+
+    def _verdict(self, quorum: dict[str, Any], ok: bool) -> bool:
+        """Report this worker's exchange (ok on every one of its ranks) and return the round's verdict."""
+        if self.ranks is None:
+            return self.quorums.report(quorum, ok)
+        ok = self.ranks.all_ok(ok)
+        return self.ranks.share(lambda: self.quorums.report(quorum, ok))
 
     # -- what the user's loop may call ---------------------------------------------------------------------------
 
@@ -167,9 +208,9 @@ class FaultTolerance:
         saved = fragment.delta.clone()
         while True:
             me = {"round": driver.syncs, "joining": False, "samples": self._samples.get(fragment.index, 0),
-                  "fragment": fragment.index, "settings": _settings(driver)}
+                  "fragment": fragment.index, "settings": self._settings(driver)}
             try:
-                quorum = self.quorums.wait(self.quorums.next_key, me)
+                quorum = self._lead(lambda: self.quorums.wait(self.quorums.next_key, me))
             except Excluded:
                 self.left_out += 1
                 _log.warning("worker %r was left out of a round (it stalled past the deadline); joining again",
@@ -177,7 +218,7 @@ class FaultTolerance:
                 self.join(driver)
                 return False
             healed = self._run(driver, quorum, fragment)
-            if self.quorums.report(quorum, healed is not None):
+            if self._verdict(quorum, healed is not None):
                 return self._done(driver, quorum, bool(healed))
             self.retries += 1
             fragment.delta.copy_(saved)
@@ -186,16 +227,23 @@ class FaultTolerance:
     def join(self, driver: Any) -> None:
         """Wait to be admitted to a round, take the job's state from a live peer and that round's outer step (or,
         in the job's first round, everyone takes the first worker's weights)."""
-        while True:
+        me = {"round": -1, "joining": True, "samples": 0, "fragment": -1, "settings": self._settings(driver)}
+
+        def admitted() -> dict[str, Any]:
             key = max(self.quorums.latest() + 1, self.quorums.next_key)
             try:
-                quorum = self.quorums.wait(key, {"round": -1, "joining": True, "samples": 0, "fragment": -1,
-                                                 "settings": _settings(driver)})
+                return self.quorums.wait(key, me)
             except Excluded:
                 self.quorums.next_key = key + 1
+                raise
+
+        while True:
+            try:
+                quorum = self._lead(admitted)
+            except Excluded:
                 continue
             ok = self._run(driver, quorum, None) is not None
-            if self.quorums.report(quorum, ok):
+            if self._verdict(quorum, ok):
                 self._done(driver, quorum, True)
                 return
             self.retries += 1
@@ -219,12 +267,12 @@ class FaultTolerance:
         ids = [m["id"] for m in quorum["members"]]
         rank = ids.index(self.worker)
         self._candidate = None
-        differ = {m["id"]: m.get("settings") for m in quorum["members"] if m.get("settings") != _settings(driver)}
+        mine = self._settings(driver)
+        differ = {m["id"]: m.get("settings") for m in quorum["members"] if m.get("settings") != mine}
         if differ:
-            raise SettingsDiffer(f"worker {self.worker!r} runs DiLoCo with {_settings(driver)}, but {differ}: every "
-                                 "worker of a job needs the same sync_every, fragments, compression and outer "
-                                 "step; restart "
-                                 "the workers with one setting")
+            raise SettingsDiffer(f"worker {self.worker!r} runs DiLoCo with {mine}, but {differ}: every worker of a "
+                                 "job needs the same sync_every, fragments, compression and outer step, and as "
+                                 "many ranks; restart the workers with one setting")
         healed, sources, p = self._roles(quorum)
         me_healed = self.worker in {m["id"] for m in healed}
         start = time.monotonic()
@@ -316,7 +364,8 @@ class FaultTolerance:
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=self._exchange_timeout())
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.hostname)]
-        store = dist.PrefixStore(f"{self.quorums.prefix}/pg/{quorum['epoch']}/", self.quorums.store)
+        shard = f"s{self.ranks.rank}/" if self.ranks is not None else ""  # a group per shard: its ranks of each member
+        store = dist.PrefixStore(f"{self.quorums.prefix}/pg/{quorum['epoch']}/{shard}", self.quorums.store)
         self._group = dist.ProcessGroupGloo(store, rank, size, opts)
         self._epoch = quorum["epoch"]
         return self._group

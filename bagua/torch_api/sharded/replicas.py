@@ -11,6 +11,8 @@ ranks that hold the same shard in the other replicas, on a process group of Bagu
 - ``diloco`` (and streaming DiLoCo): no exchange at inner steps; every ``sync_every`` steps the pseudo-gradient of
   this rank's shard is averaged over the replicas and the outer step runs on the shard. Global weights, outer
   momentum and residuals are held per shard (1/S of the unsharded amount); fragments are whole FSDP2 units.
+  With ``DiLoCoAlgorithm(fault_tolerance=...)`` each replica is a job of its own that may fail alone (a ``(1, S)``
+  mesh per worker): the shards are averaged over the round's live workers (:mod:`bagua.torch_api.fault.replica`).
 
 Example:
     >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # doctest: +SKIP
@@ -84,6 +86,12 @@ class ShardedReplicas:
                              "both at their defaults; a non-finite gradient then reaches every replica, so "
                              "GradScaler skips the step everywhere")
         index, shard_dim = check_mesh(device_mesh, replicate_dim)
+        self.fault = getattr(algorithm, "fault_tolerance", None)
+        if self.fault is not None and device_mesh.mesh.shape[index] != 1:
+            raise ValueError(f"DiLoCoAlgorithm(fault_tolerance=...) with device_mesh=...: each worker is one replica "
+                             f"(its own job; the replicas are the workers), but the mesh's {replicate_dim!r} "
+                             f"dimension has {device_mesh.mesh.shape[index]}; build the mesh as (1, shards), e.g. "
+                             "init_device_mesh('cpu', (1, world_size), mesh_dim_names=('replicate', 'shard'))")
         # user settings
         self.module, self.algorithm = module, algorithm
         self.optimizer = optimizers[0]
@@ -105,6 +113,8 @@ class ShardedReplicas:
         self.units = [[(s, p.numel() * p.element_size()) for _, p, s in unit] for unit in named]
         self.named_shards = [entry for unit in named for entry in unit]
         self._broadcast_shards()
+        if self.fault is not None:  # collective: this worker's ranks share its quorums
+            self.fault.bind_ranks(device_mesh.mesh.flatten().tolist())
         # per-algorithm state
         self._workspaces: dict[int, AnyWorkspace] = {}
         self.driver: Optional[DiLoCoDriver] = None
@@ -133,8 +143,11 @@ class ShardedReplicas:
         if name == "DiLoCoAlgorithm":
             # with overlap, the exchanges travel on a thread of the driver's own while the next inner steps run
             worker = CommWorker("bagua-diloco-sharded", None) if self.algorithm.overlap_steps > 0 else None
-            self.driver = DiLoCoDriver(self.algorithm, "DiLoCo (sharded)", communicator=self.communicator,
-                                       worker=worker)
+            if self.fault is not None:  # each shard's exchanges over the same shard of the round's live workers
+                self.driver = DiLoCoDriver(self.algorithm, "DiLoCo (sharded)", fault=self.fault)
+            else:
+                self.driver = DiLoCoDriver(self.algorithm, "DiLoCo (sharded)", communicator=self.communicator,
+                                           worker=worker)
             release_at_exit(self)
             if self.algorithm.warmup_steps == 0:
                 self._build_fragments()
@@ -152,6 +165,9 @@ class ShardedReplicas:
         locals_ = [[s for s, _ in unit if s.numel()] for unit in self.units]
         self.driver.build([s for unit in locals_ for s in unit], units=[len(u) for u in locals_],
                           unit_bytes=[sum(b for _, b in unit) for unit in self.units])
+        if self.fault is not None:  # join the job: the first worker's shards, or a live peer's, shard by shard
+            self.fault.optimizer = self.optimizer
+            self.fault.join(self.driver)
 
     # -- the moments of a step ---------------------------------------------------------------------------------
 
