@@ -37,8 +37,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.fault_kill import _fail, _Life, _say
-from benchmarks.kills import WORKERS, RestartKills, kill_by_cmdline, kill_due, rejoin_times
+from benchmarks.kills import WORKERS, Life, RestartKills, fail, kill_by_cmdline, kill_due, rejoin_times, say
 
 __all__ = ["parse_args", "worker", "run_ft", "run_restart", "main"]
 
@@ -117,7 +116,7 @@ def worker(args: argparse.Namespace) -> None:
     state += [t for s in inner.state_dict()["state"].values() for t in s.values()
               if torch.is_tensor(t) and t.dim()] if heal and ft.inner_state else []  # Adam's moments, not step
     heal_bytes = sum(t.numel() * t.element_size() for t in state)
-    _say("joined", rank=rank, pid=os.getpid(), attempt=attempt, step=driver.steps,
+    say("joined", rank=rank, pid=os.getpid(), attempt=attempt, step=driver.steps,
          heal_s=f"{ft.heal_seconds[-1]:.4f}" if heal else 0, heal_bytes=heal_bytes)
     done = ft.rounds if ft is not None else driver.syncs
     while driver.steps < args.max_steps:
@@ -136,7 +135,7 @@ def worker(args: argparse.Namespace) -> None:
             fields = {"loss": f"{loss:.5f}", "eval_s": f"{time.perf_counter() - t0:.3f}"}
         if ft is None and driver.steps % args.checkpoint_every == 0:
             save_checkpoint(driver.steps, args.ckpt_dir, model, inner)
-        _say("step", rank=rank, step=driver.steps, sync=int(now != done), attempt=attempt, **fields)
+        say("step", rank=rank, step=driver.steps, sync=int(now != done), attempt=attempt, **fields)
         done = now
         if fields and float(fields["loss"]) <= args.target:
             break
@@ -181,15 +180,15 @@ def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, w
     ``inner_state``: what a healed worker takes (``None``: the library's default)."""
     port = 29600 + seed
     coordinator = _start_coordinator(cluster.hosts[WORKERS], port, workdir / f"coord-{kill_every}-{seed}.log")
-    lives: list[_Life] = []
+    lives: list[Life] = []
 
-    def spawn(i: int) -> _Life:
+    def spawn(i: int) -> Life:
         host = cluster.hosts[i]
         cmd = host.exec_prefix() + [sys.executable, "-m", "benchmarks.fault_gpt", "--worker", "ft", "--index",
                                     str(i), "--seed", str(seed), "--coordinator",
                                     f"{cluster.hosts[WORKERS].address}:{port}", *args.shared]
         cmd += [] if inner_state is None else ["--inner-state", str(int(inner_state))]
-        lives.append(_Life(cmd, workdir / f"ft{kill_every}-s{seed}-w{i}-{len(lives)}.log",
+        lives.append(Life(cmd, workdir / f"ft{kill_every}-s{seed}-w{i}-{len(lives)}.log",
                            {"GLOO_SOCKET_IFNAME": host.iface}))
         return lives[-1]
 
@@ -206,9 +205,9 @@ def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, w
             plan = kill_due(current, kills, plan, spawn)
             codes = {i: life.poll() for i, life in current.items()}
             if any(c not in (None, 0) for c in codes.values()):
-                raise _fail(f"ft: a worker failed, exit codes {codes}", current.values())
+                raise fail(f"ft: a worker failed, exit codes {codes}", current.values())
             if time.time() - start > args.timeout:
-                raise _fail(f"ft: no result within {args.timeout:.0f} s (--timeout)", current.values())
+                raise fail(f"ft: no result within {args.timeout:.0f} s (--timeout)", current.values())
             time.sleep(0.05)
     finally:
         for life in lives:
@@ -236,7 +235,7 @@ def run_restart(args: argparse.Namespace, cluster: Any, seed: int, kill_every: i
     script = workdir / "enter_host.sh"
     script.write_text(f'exec ip netns exec {prefix}"$LOCAL_RANK" env MASTER_ADDR={master} LOCAL_RANK=0 '
                       f'LOCAL_WORLD_SIZE=1 GLOO_SOCKET_IFNAME={cluster.hosts[0].iface} "$@"\n')
-    agent = _Life([sys.executable, "-m", "bagua.distributed.run", "--nproc-per-node", str(WORKERS),
+    agent = Life([sys.executable, "-m", "bagua.distributed.run", "--nproc-per-node", str(WORKERS),
                    "--max-restarts", str(len(plan) + 1), "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
                    "--rdzv-endpoint", f"127.0.0.1:{env.find_free_network_port()}", "--no-python", "sh",
                    str(script), sys.executable, "-m", "benchmarks.fault_gpt", "--worker", "ckpt", "--seed", str(seed),
@@ -250,7 +249,7 @@ def run_restart(args: argparse.Namespace, cluster: Any, seed: int, kill_every: i
                 break
             schedule.kill_due()
             if time.time() - start > args.timeout:
-                raise _fail(f"restart: no result within {args.timeout:.0f} s (--timeout)", [agent])
+                raise fail(f"restart: no result within {args.timeout:.0f} s (--timeout)", [agent])
             time.sleep(0.05)
     finally:
         agent.kill()
@@ -258,7 +257,7 @@ def run_restart(args: argparse.Namespace, cluster: Any, seed: int, kill_every: i
     agent.read()
     out = _outcome(_evals(agent.lines, 0), start, args.target)
     if not out["curve"]:
-        raise _fail(f"restart: rank 0 never evaluated (agent exit {agent.proc.returncode})", [agent])
+        raise fail(f"restart: rank 0 never evaluated (agent exit {agent.proc.returncode})", [agent])
     return {"mode": "restart", "kill_every": kill_every, "seed": seed, "kills": schedule.kills, **out}
 
 

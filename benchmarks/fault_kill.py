@@ -23,22 +23,19 @@ is tiny, so each step also sleeps ``--step-s`` s (default 0.1): the step time is
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from benchmarks.kills import WORKERS, RestartKills, kill_by_cmdline, kill_due, rejoin_times
+from benchmarks.kills import WORKERS, Life, RestartKills, fail, kill_by_cmdline, kill_due, rejoin_times, say
 
-ROOT = Path(__file__).resolve().parents[1]
 _DIM, _HIDDEN = 32, 256
 
 __all__ = ["parse_args", "worker", "run_job", "run_restart", "main"]
@@ -88,13 +85,6 @@ def _task(seed: int) -> tuple[Callable, Any]:
     return batch, (x_eval, torch.tanh(x_eval @ w1) @ w2)
 
 
-def _say(kind: str, **fields: Any) -> None:
-    """One line the supervisor reads: ``kind key=value ... t=<wall clock>``."""
-    line = " ".join([kind, *(f"{k}={v}" for k, v in fields.items()), f"t={time.time():.3f}"])
-    sys.stdout.write(line + "\n")  # one write: ranks share the agent's stdout, unbuffered under PYTHONUNBUFFERED
-    sys.stdout.flush()
-
-
 def _resume(ckpt_dir: Path, rank: int, model: Any, opt: Any) -> None:
     """Load the last step that every rank saved (no rank can save a newer one before all have looked here)."""
     import torch
@@ -132,7 +122,7 @@ def worker(args: argparse.Namespace) -> None:
         _resume(ckpt, rank, model, opt)
     heal = ft is not None and ft.heals > 0  # in the job's first round, every worker but w0 "heals" from w0
     heal_bytes = sum(t.numel() * t.element_size() for t in driver_heal_state(opt.driver).values()) if heal else 0
-    _say("joined", rank=rank, pid=os.getpid(), attempt=attempt, step=opt.steps,
+    say("joined", rank=rank, pid=os.getpid(), attempt=attempt, step=opt.steps,
          heal_s=f"{ft.heal_seconds[-1]:.4f}" if heal else 0, heal_bytes=heal_bytes)
     done, sync_t = (ft.rounds if ft else opt.syncs), []
     while opt.steps < args.steps:
@@ -148,7 +138,7 @@ def worker(args: argparse.Namespace) -> None:
             os.replace(d / f"rank{rank}.tmp", d / f"rank{rank}.pt")  # a file present is a file complete
         now = ft.rounds if ft else opt.syncs
         sync_t += [time.perf_counter()] if now != done else []
-        _say("step", rank=rank, step=opt.steps, sync=int(now != done), attempt=attempt)
+        say("step", rank=rank, step=opt.steps, sync=int(now != done), attempt=attempt)
         done = now
     with torch.no_grad():  # right after the last synchronization the weights are the global weights
         loss = float(torch.nn.functional.mse_loss(model(x_eval), y_eval))
@@ -163,70 +153,6 @@ def worker(args: argparse.Namespace) -> None:
 # -- the supervisor -------------------------------------------------------------------------------------------------
 
 
-def _parse(line: str) -> dict[str, Any]:
-    kind, _, rest = line.partition(" ")
-    if kind == "result":
-        return {"kind": kind, **json.loads(rest)}
-    if kind in ("joined", "step"):
-        try:
-            return {"kind": kind, **{k: float(v) for k, v in (f.split("=", 1) for f in rest.split())}}
-        except ValueError:  # two ranks' lines interleaved in the agent's pipe: the next line says it again
-            return {"kind": None, "text": line}
-    return {"kind": None, "text": line}
-
-
-class _Life:
-    """One process (a worker, or the restart agent) in a session of its own, and what its log said so far."""
-
-    def __init__(self, cmd: list[str], log: Path, extra: Optional[dict[str, str]] = None) -> None:
-        from bagua.torch_api import env
-
-        child = env.environ_snapshot() | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} | (extra or {})
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        self.log, self.lines, self._offset = log, [], 0
-        self.step = self.last_sync = 0  # the highest step printed; the step of the last synchronization
-        self.joined: Optional[dict[str, Any]] = None  # the "joined" line: healed, resumed or started
-        self.first_sync_t: Optional[float] = None  # wall clock of its first synchronization in the loop
-        self.end_t: Optional[float] = None  # wall clock when the supervisor saw it exit
-
-    def read(self) -> list[dict[str, Any]]:
-        """Parse the complete lines written since the last call."""
-        with self.log.open("rb") as f:
-            f.seek(self._offset)
-            data = f.read()
-        data = data[:data.rfind(b"\n") + 1]
-        self._offset += len(data)
-        new = [_parse(line) for line in data.decode(errors="replace").splitlines()]
-        for line in new:
-            if line["kind"] == "joined" and self.joined is None:
-                self.joined, self.last_sync = line, int(line["step"])
-            elif line["kind"] == "step":
-                self.step = max(self.step, int(line["step"]))
-                if line["sync"]:
-                    self.last_sync, self.first_sync_t = int(line["step"]), self.first_sync_t or line["t"]
-        self.lines += new
-        return new
-
-    def poll(self) -> Optional[int]:
-        rc = self.proc.poll()
-        self.end_t = self.end_t or (time.time() if rc is not None else None)
-        return rc
-
-    def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its session's group: the agent's children too
-        self.proc.wait()
-
-
-def _fail(what: str, lives: Any) -> RuntimeError:
-    """An error with the last lines of each log."""
-    tails = [f"--- {x.log.name}\n" + "\n".join(x.log.read_text(errors="replace").splitlines()[-25:]) for x in lives]
-    return RuntimeError("\n".join([what, *tails]))
-
-
 def run_job(args: argparse.Namespace, mode: str, workdir: Path, kill: bool = False) -> dict[str, Any]:
     """Run 4 workers to ``--steps`` (``ft``: 4 jobs and a coordinator; ``plain``: a 4-rank gloo world); with
     ``kill``, SIGKILL one on the schedule and restart it at once. Return wall time, loss, goodput and the kills."""
@@ -236,10 +162,10 @@ def run_job(args: argparse.Namespace, mode: str, workdir: Path, kill: bool = Fal
     port = env.find_free_network_port()
     coordinator = start_coordinator("127.0.0.1", port) if mode == "ft" else None
     world = {"WORLD_SIZE": str(WORKERS), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # torch's env://
-    lives: list[_Life] = []
+    lives: list[Life] = []
 
-    def spawn(i: int) -> _Life:
-        lives.append(_Life([sys.executable, "-m", "benchmarks.fault_kill", "--worker", mode, "--index", str(i),
+    def spawn(i: int) -> Life:
+        lives.append(Life([sys.executable, "-m", "benchmarks.fault_kill", "--worker", mode, "--index", str(i),
                             "--coordinator", f"127.0.0.1:{port}", *args.shared],
                            workdir / f"{mode}{'-kill' if kill else ''}-w{i}-{len(lives)}.log",
                            world | {"RANK": str(i)} if mode == "plain" else None))
@@ -255,14 +181,14 @@ def run_job(args: argparse.Namespace, mode: str, workdir: Path, kill: bool = Fal
             plan = kill_due(current, kills, plan, spawn)
             codes = {i: life.poll() for i, life in current.items()}
             if any(c not in (None, 0) for c in codes.values()):
-                raise _fail(f"{mode}: a worker failed, exit codes {codes}", current.values())
+                raise fail(f"{mode}: a worker failed, exit codes {codes}", current.values())
             running = [life for life in current.values() if life.end_t is None]
             ended = [life.end_t for life in current.values() if life.end_t is not None]
             # a restarted worker that has not joined when the others are done never will: no round is left
             if not running or ended and all(not life.joined for life in running) and time.time() > max(ended) + 5:
                 break
             if time.time() - start > args.timeout:
-                raise _fail(f"{mode}: the job did not finish within {args.timeout:.0f} s (--timeout)", current.values())
+                raise fail(f"{mode}: the job did not finish within {args.timeout:.0f} s (--timeout)", current.values())
             time.sleep(0.05)
     finally:
         for life in lives:
@@ -291,7 +217,7 @@ def run_restart(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     schedule = RestartKills(args.kills)
     # a store of each attempt's own (c10d, not shared): on the static rendezvous's one store the restarted ranks read
     # the killed attempt's gloo addresses and fail, "Connection refused" (torch 2.13; cf. pytorch/pytorch#167288)
-    agent = _Life([sys.executable, "-m", "bagua.distributed.run", "--nproc-per-node", str(WORKERS),
+    agent = Life([sys.executable, "-m", "bagua.distributed.run", "--nproc-per-node", str(WORKERS),
                    "--max-restarts", str(len(args.kills) + 1), "--monitor-interval", "0.1", "--rdzv-backend",
                    "c10d", "--rdzv-endpoint", f"127.0.0.1:{env.find_free_network_port()}", "-m", "benchmarks.fault_kill",
                    "--worker", "ckpt", "--ckpt-dir", str(workdir / "ckpt"), *args.shared],
@@ -302,14 +228,14 @@ def run_restart(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             schedule.see(agent.read())
             schedule.kill_due()
             if time.time() - start > args.timeout:
-                raise _fail(f"restart: the job did not finish within {args.timeout:.0f} s (--timeout)", [agent])
+                raise fail(f"restart: the job did not finish within {args.timeout:.0f} s (--timeout)", [agent])
             time.sleep(0.05)
     finally:
         agent.kill()
         kill_by_cmdline(str(workdir / "ckpt"))  # the ranks run in sessions of their own: end stragglers
     agent.read()
     if agent.proc.returncode != 0:
-        raise _fail(f"restart: the agent exited with {agent.proc.returncode}", [agent])
+        raise fail(f"restart: the agent exited with {agent.proc.returncode}", [agent])
     wall, result = agent.end_t - start, [x for x in agent.lines if x["kind"] == "result" and x["rank"] == 0][-1]
     return {"mode": "restart", "kills": schedule.kills, "wall_s": wall, "goodput": args.steps / wall, "loss": result["loss"]}
 

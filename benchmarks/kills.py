@@ -4,18 +4,27 @@ Fault tolerance: :func:`kill_due` SIGKILLs w1, w2, w3, w1, ... in turn at the pl
 victim at once; :func:`rejoin_times` reads from the restarted worker's lines when it healed and synchronized again.
 The restart baseline: :class:`RestartKills` kills rank 1, 2, 3, ... of successive attempts under the elastic agent
 and records when all ranks stepped again; :func:`kill_by_cmdline` ends the ranks left behind.
+
+Both benchmarks' workers print their progress with :func:`say`; the supervisor runs each worker (or the restart
+agent) as a :class:`Life`, which reads those lines back.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
-__all__ = ["WORKERS", "kill_due", "rejoin_times", "RestartKills", "kill_by_cmdline"]
+__all__ = ["WORKERS", "kill_due", "rejoin_times", "RestartKills", "kill_by_cmdline", "say", "parse_line", "Life",
+           "fail"]
+
+ROOT = Path(__file__).resolve().parents[1]
 
 #: the benchmarks' workers (processes, or hosts); w0 is never killed
 WORKERS = 4
@@ -81,3 +90,77 @@ def kill_by_cmdline(marker: str) -> None:
         with contextlib.suppress(OSError):
             if marker in (proc / "cmdline").read_text(errors="replace"):
                 os.kill(int(proc.name), signal.SIGKILL)
+
+
+# -- the workers' lines, and the processes that print them --------------------------------------------------
+
+
+def say(kind: str, **fields: Any) -> None:
+    """One line the supervisor reads: ``kind key=value ... t=<wall clock>``."""
+    line = " ".join([kind, *(f"{k}={v}" for k, v in fields.items()), f"t={time.time():.3f}"])
+    sys.stdout.write(line + "\n")  # one write: ranks share the agent's stdout, unbuffered under PYTHONUNBUFFERED
+    sys.stdout.flush()
+
+
+def parse_line(line: str) -> dict[str, Any]:
+    kind, _, rest = line.partition(" ")
+    if kind == "result":
+        return {"kind": kind, **json.loads(rest)}
+    if kind in ("joined", "step"):
+        try:
+            return {"kind": kind, **{k: float(v) for k, v in (f.split("=", 1) for f in rest.split())}}
+        except ValueError:  # two ranks' lines interleaved in the agent's pipe: the next line says it again
+            return {"kind": None, "text": line}
+    return {"kind": None, "text": line}
+
+
+class Life:
+    """One process (a worker, or the restart agent) in a session of its own, and what its log said so far."""
+
+    def __init__(self, cmd: list[str], log: Path, extra: Optional[dict[str, str]] = None) -> None:
+        from bagua.torch_api import env
+
+        child = env.environ_snapshot() | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"} | (extra or {})
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, env=child, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        self.log, self.lines, self._offset = log, [], 0
+        self.step = self.last_sync = 0  # the highest step printed; the step of the last synchronization
+        self.joined: Optional[dict[str, Any]] = None  # the "joined" line: healed, resumed or started
+        self.first_sync_t: Optional[float] = None  # wall clock of its first synchronization in the loop
+        self.end_t: Optional[float] = None  # wall clock when the supervisor saw it exit
+
+    def read(self) -> list[dict[str, Any]]:
+        """Parse the complete lines written since the last call."""
+        with self.log.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        data = data[:data.rfind(b"\n") + 1]
+        self._offset += len(data)
+        new = [parse_line(line) for line in data.decode(errors="replace").splitlines()]
+        for line in new:
+            if line["kind"] == "joined" and self.joined is None:
+                self.joined, self.last_sync = line, int(line["step"])
+            elif line["kind"] == "step":
+                self.step = max(self.step, int(line["step"]))
+                if line["sync"]:
+                    self.last_sync, self.first_sync_t = int(line["step"]), self.first_sync_t or line["t"]
+        self.lines += new
+        return new
+
+    def poll(self) -> Optional[int]:
+        rc = self.proc.poll()
+        self.end_t = self.end_t or (time.time() if rc is not None else None)
+        return rc
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its session's group: the agent's children too
+        self.proc.wait()
+
+
+def fail(what: str, lives: Any) -> RuntimeError:
+    """An error with the last lines of each log."""
+    tails = [f"--- {x.log.name}\n" + "\n".join(x.log.read_text(errors="replace").splitlines()[-25:]) for x in lives]
+    return RuntimeError("\n".join([what, *tails]))
