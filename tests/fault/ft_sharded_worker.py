@@ -10,7 +10,6 @@ full weights, its shard's global weights, counters and statistics to ``--out``/`
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tests.fault.ft_worker import die_at_average, worker_parser
 from tests.sharded.common import batch
 
 ROUNDS_LOG = "round {} done"
@@ -31,17 +31,9 @@ def model(seed: int) -> torch.nn.Module:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--coordinator", required=True)
-    ap.add_argument("--index", type=int, required=True)
-    ap.add_argument("--workers", type=int, required=True)
-    ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--sync-every", type=int, default=4)
+    ap = worker_parser()
     ap.add_argument("--outer", default="0.7,0.9", help="LR,MOMENTUM of the outer Nesterov SGD")
-    ap.add_argument("--step-s", type=float, default=0.0)
-    ap.add_argument("--die", default="")
     ap.add_argument("--inner-state", action="store_true")
-    ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     import bagua.torch_api as bagua
@@ -55,15 +47,7 @@ def main() -> None:
     kind, _, at = args.die.partition(":")
     dies = rank == 1 and kind and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if dies and kind == "exchange":
-        calls, average = [0], FaultTolerance._average
-
-        def dying_average(self, *a, **k):
-            calls[0] += 1
-            if calls[0] == int(at):
-                os.kill(os.getpid(), signal.SIGKILL)
-            return average(self, *a, **k)
-
-        FaultTolerance._average = dying_average
+        die_at_average(int(at))
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
     net = model(args.index)
     for layer in net:

@@ -23,19 +23,41 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main() -> None:
+def worker_parser() -> argparse.ArgumentParser:
+    """The arguments every fault-test worker takes (this one's, and tests/fault/ft_sharded_worker.py's)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--coordinator", required=True)
     ap.add_argument("--index", type=int, required=True)
     ap.add_argument("--workers", type=int, required=True)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--sync-every", type=int, default=4)
-    ap.add_argument("--fragments", type=int, default=1)
-    ap.add_argument("--min-quorum", type=int, default=1)
     ap.add_argument("--step-s", type=float, default=0.0)
     ap.add_argument("--die", default="")
-    ap.add_argument("--stall", type=int, default=0)
     ap.add_argument("--out", required=True)
+    return ap
+
+
+def die_at_average(n: int) -> None:
+    """SIGKILL this process at the start of its ``n``-th fault-tolerant average (the quorum closed, the peers
+    already in the exchange)."""
+    from bagua.torch_api.fault import FaultTolerance
+
+    calls, average = [0], FaultTolerance._average
+
+    def dying_average(self, *a, **k):
+        calls[0] += 1
+        if calls[0] == n:
+            _die()
+        return average(self, *a, **k)
+
+    FaultTolerance._average = dying_average
+
+
+def main() -> None:
+    ap = worker_parser()
+    ap.add_argument("--fragments", type=int, default=1)
+    ap.add_argument("--min-quorum", type=int, default=1)
+    ap.add_argument("--stall", type=int, default=0)
     ap.add_argument("--api", choices=["optimizer", "algorithm"], default="optimizer")
     ap.add_argument("--compression", default="none")
     ap.add_argument("--outer", default="auto", help='"auto", or "LR,MOMENTUM" (no warm-up)')
@@ -47,15 +69,7 @@ def main() -> None:
 
     kind, _, at = args.die.partition(":")
     if kind == "exchange":
-        calls, average = [0], FaultTolerance._average
-
-        def dying_average(self, *a, **k):
-            calls[0] += 1
-            if calls[0] == int(at):
-                _die()
-            return average(self, *a, **k)
-
-        FaultTolerance._average = dying_average
+        die_at_average(int(at))
     elif kind == "serve":
         transfer._before_bucket_send = lambda k, bucket: _die()
 
