@@ -6,8 +6,7 @@ synchronization it all-gathers every rank's weights with ``dist.all_gather``, fo
 first step, then ``buf = m * buf + avg``; ``update = avg + m * buf``; ``g -= lr * update``, each ``a + c * b`` as
 ``torch.add(a, b, alpha=c)``, which is how torch's SGD rounds; with an outer-lr warm-up of ``W`` outer steps a
 fragment's ``k``-th outer step, from 1, uses ``lr * min(1, k / W)``) and sets the weights (``x = g``, or
-``alpha * x + (1 - alpha) * g`` when the exchange overlapped ``tau`` steps, or with the ``"delayed"`` merge
-``x + (g - x_s)``, ``x_s`` the weights when the exchange started).
+``alpha * x + (1 - alpha) * g`` when the exchange overlapped ``tau`` steps).
 
 Tolerance: exact (rtol=0, atol=0) for float32 exchanges at 2 ranks (the sum of two numbers does not depend on
 their order). ``H = 1``, outer SGD lr 1 without momentum and inner SGD is gradient averaging up to float32
@@ -55,20 +54,20 @@ def _mean_over_ranks(t):
     return sum(values[1:], values[0]) / len(values)
 
 
-def _train_reference(rank, steps, H, F, tau, alpha, lr, m, inner, warmup=0, merge="mix"):
+def _train_reference(rank, steps, H, F, tau, alpha, lr, m, inner, warmup=0):
     model = make_model(0)
     opt = inner(model.parameters())
     frags = _fragments(model, F)
     glob = [[p.detach().clone() for p in frag] for frag in frags]
     bufs = [None] * F
     offsets = [max(1, round((p + 1) * H / F)) for p in range(F)]
-    in_flight = {}  # fragment -> (finish step, averaged pseudo-gradients, weights at the start)
+    in_flight = {}  # fragment -> (finish step, averaged pseudo-gradients)
     taken = [0] * F  # outer steps of each fragment
 
-    def outer(p, avg, a, start=None):
+    def outer(p, avg, a):
         taken[p] += 1
         rate = lr * min(1.0, taken[p] / warmup) if warmup else lr
-        _outer(frags[p], glob[p], bufs, p, avg, rate, m, a, start)
+        _outer(frags[p], glob[p], bufs, p, avg, rate, m, a)
 
     history = []
     for step in range(1, steps + 1):
@@ -78,12 +77,11 @@ def _train_reference(rank, steps, H, F, tau, alpha, lr, m, inner, warmup=0, merg
         opt.step()
         for p in range(F):
             if p in in_flight and in_flight[p][0] == step:
-                _, avg, start = in_flight.pop(p)
-                outer(p, avg, alpha if tau else 0.0, start if merge == "delayed" else None)
+                outer(p, in_flight.pop(p)[1], alpha if tau else 0.0)
         for p in range(F):
             if step % H == offsets[p] % H:
                 avg = [_mean_over_ranks(g - x.detach()) for g, x in zip(glob[p], frags[p])]
-                in_flight[p] = (step + tau, avg, [x.detach().clone() for x in frags[p]])
+                in_flight[p] = (step + tau, avg)
                 if tau == 0:
                     outer(p, in_flight.pop(p)[1], 0.0)
         history.append(params_of(model))
@@ -91,7 +89,7 @@ def _train_reference(rank, steps, H, F, tau, alpha, lr, m, inner, warmup=0, merg
 
 
 @torch.no_grad()
-def _outer(params, glob, bufs, p, avg, lr, m, alpha, start=None):
+def _outer(params, glob, bufs, p, avg, lr, m, alpha):
     if m > 0:
         if bufs[p] is None:
             bufs[p] = [a.clone() for a in avg]
@@ -102,10 +100,6 @@ def _outer(params, glob, bufs, p, avg, lr, m, alpha, start=None):
         updates = avg
     for g, u in zip(glob, updates):
         g.add_(u, alpha=-lr)
-    if start is not None:  # the delayed merge: the steps since the start, on the new global weights
-        for x, g, s in zip(params, glob, start):
-            x.add_(g - s)
-        return
     for x, g in zip(params, glob):
         x.copy_(g if alpha == 0 else torch.lerp(x, g, 1 - alpha))
 
@@ -134,33 +128,30 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.05)
 
 
-def _worker_parity(rank, world_size, steps, H, F, tau, alpha, W, merge):
+def _worker_parity(rank, world_size, steps, H, F, tau, alpha, W):
     from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 
     algorithm = DiLoCoAlgorithm(sync_every=H, fragments=F, overlap_steps=tau, overlap_alpha=alpha,
-                                overlap_merge=merge, hierarchical=False, outer_lr_warmup=W, outer_lr=0.7,
-                                outer_momentum=0.9)
+                                hierarchical=False, outer_lr_warmup=W, outer_lr=0.7, outer_momentum=0.9)
     got = _train_diloco(rank, steps, algorithm, _adamw)
-    expected = _train_reference(rank, steps, H, F, tau, alpha, 0.7, 0.9, _adamw, warmup=W, merge=merge)
+    expected = _train_reference(rank, steps, H, F, tau, alpha, 0.7, 0.9, _adamw, warmup=W)
     return got, expected
 
 
 @pytest.mark.parametrize(
-    "H,F,tau,alpha,W,merge",
-    [(3, 1, 0, 0.5, 0, "mix"), (4, 2, 0, 0.5, 0, "mix"), (6, 3, 1, 0.5, 0, "mix"), (4, 2, 1, 0.0, 0, "mix"),
-     (2, 2, 0, 0.5, 3, "mix"), (5, 1, 3, 0.5, 2, "delayed"), (6, 2, 2, 0.5, 0, "delayed")],
-    ids=["diloco", "streaming-2", "streaming-3-overlap", "streaming-2-overlap-alpha0", "streaming-2-lr-warmup-3",
-         "overlap-3-delayed-warmup-2", "streaming-2-overlap-delayed"],
+    "H,F,tau,alpha,W",
+    [(3, 1, 0, 0.5, 0), (4, 2, 0, 0.5, 0), (6, 3, 1, 0.5, 0), (4, 2, 1, 0.0, 0), (2, 2, 0, 0.5, 3)],
+    ids=["diloco", "streaming-2", "streaming-3-overlap", "streaming-2-overlap-alpha0", "streaming-2-lr-warmup-3"],
 )
-def test_matches_plain_tensor_reference(tmp_path, H, F, tau, alpha, W, merge):
-    steps = 3 * H + tau if not W else (W + 1) * H + tau
-    results = run_workers(_worker_parity, 2, steps, H, F, tau, alpha, W, merge, timeout=120)
+def test_matches_plain_tensor_reference(tmp_path, H, F, tau, alpha, W):
+    steps = 3 * H + tau if not W else (W + 1) * H
+    results = run_workers(_worker_parity, 2, steps, H, F, tau, alpha, W, timeout=120)
     for rank, (got, expected) in enumerate(results):
         for step, (g, e) in enumerate(zip(got, expected), start=1):
             for a, b in zip(g, e):
                 assert_close(a, b, **EXACT, msg=lambda m: f"rank {rank} step {step}: {m}")
-    # plain DiLoCo without overlap: every rank holds the same weights after each synchronization
-    if F == 1 and tau == 0:
+    # plain DiLoCo: every rank holds the same weights after each synchronization
+    if F == 1:
         for step in range(H, steps + 1, H):
             for a, b in zip(results[0][0][step - 1], results[1][0][step - 1]):
                 assert torch.equal(a, b)

@@ -150,15 +150,13 @@ def _worker_resume(rank, world_size, ckpt_dir, kwargs):
     dict(sync_every=4, fragments=2, overlap_steps=1),
     dict(sync_every=4, fragments=2, overlap_steps=1, compression="uint8"),
     dict(sync_every=4, fragments=2, overlap_steps=1, outer_lr_warmup=3),  # the ramp goes on where it stopped
-    dict(sync_every=4, fragments=2, overlap_steps=1, overlap_merge="delayed"),  # the start travels too
-], ids=["overlap", "overlap-uint8-error-feedback", "overlap-outer-lr-warmup", "overlap-delayed"])
+], ids=["overlap", "overlap-uint8-error-feedback", "overlap-outer-lr-warmup"])
 def test_resume_is_bit_identical(tmp_path, kwargs):
     for uninterrupted, resumed, keys in run_workers(_worker_resume, 2, str(tmp_path), kwargs, timeout=120):
         for a, b in zip(uninterrupted, resumed):
             assert torch.equal(a, b)
         # the checkpoint format: two step counters, then per fragment (fragment 0's exchange of step 6 in flight)
         assert {"steps", "processed", "0.global", "0.pending_average", "0.pending_finish", "1.global"} <= set(keys)
-        assert ("0.pending_start" in keys) == (kwargs.get("overlap_merge") == "delayed")
         assert all(k in ("steps", "processed") or k.split(".")[0] in ("0", "1") for k in keys)
 
 
@@ -209,8 +207,6 @@ def test_stopped_peer_fails_within_the_timeout(tmp_path):
     (dict(sync_every=0), "sync_every"),
     (dict(sync_every=4, fragments=5), "at most sync_every"),
     (dict(sync_every=4, overlap_steps=4), "below sync_every"),
-    (dict(overlap_merge="shift"), "choose one of"),
-    (dict(sync_every=4, overlap_steps=2, overlap_merge="delayed", overlap_alpha=0.3), "drop overlap_alpha"),
     (dict(compression="int4"), "choose one of"),
     (dict(block_size=1000), "power of two"),
     (dict(outer_momentum=1.0), "below 1"),

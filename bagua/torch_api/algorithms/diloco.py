@@ -48,12 +48,10 @@ from bagua.torch_api.ops.diloco_outer import AUTO
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
-__all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS", "OVERLAP_MERGES", "check_fault_tolerance"]
+__all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS", "check_fault_tolerance"]
 
 #: what the pseudo-gradient travels as
 COMPRESSIONS = ("none", "bf16", "uint8", "uint4")
-#: How an overlapped outer step meets the weights that moved on (``DiLoCoAlgorithm(overlap_merge=...)``).
-OVERLAP_MERGES = ("mix", "delayed")
 
 
 class DiLoCoAlgorithmImpl(AlgorithmImpl):
@@ -205,13 +203,7 @@ class DiLoCoAlgorithm(Algorithm):
             every ``F``-th run, spanning the model's depth).
         overlap_steps: ``tau``, inner steps run while a fragment's exchange travels (less than
             ``sync_every``); 0 waits for it at once.
-        overlap_alpha: with ``overlap_steps > 0`` and ``overlap_merge="mix"``, the weights become
-            ``alpha * x + (1 - alpha) * g``.
-        overlap_merge: with ``overlap_steps > 0``, how the outer step meets the weights that moved on:
-            ``"mix"`` (default, Streaming DiLoCo's ``alpha`` mix above) or ``"delayed"``: ``x = x + (g - x_s)``
-            with ``x_s`` the weights when the exchange started, i.e. the ``tau`` inner steps taken since, on top of
-            the new global weights (one more fragment-sized buffer). On the measured GPT at 4 workers the mix
-            halved the progress per step at ``tau = 5``; see docs/algorithms/diloco.md.
+        overlap_alpha: with ``overlap_steps > 0``, the weights become ``alpha * x + (1 - alpha) * g``.
         compression: ``"none"`` (float32 allreduce), ``"bf16"``, ``"uint8"`` or ``"uint4"`` (block-wise min/max codes).
         error_feedback: keep each rank's compression error and add it to the next pseudo-gradient; ``None``
             (default) means on when compressed.
@@ -239,7 +231,6 @@ class DiLoCoAlgorithm(Algorithm):
     fragment_layout: str = "contiguous"
     overlap_steps: int = 0
     overlap_alpha: float = 0.5
-    overlap_merge: str = "mix"
     compression: str = "none"
     error_feedback: Optional[bool] = None
     block_size: int = 4096
@@ -277,11 +268,6 @@ class DiLoCoAlgorithm(Algorithm):
         check_number(owner, "overlap_alpha", self.overlap_alpha, 0.0, "weight of the local weights in the merge")
         if self.overlap_alpha > 1:
             raise ValueError(f"{owner}(overlap_alpha=...) must be in [0, 1], got {self.overlap_alpha!r}")
-        check_choice(owner, "overlap_merge", self.overlap_merge, OVERLAP_MERGES)
-        if self.overlap_merge == "delayed" and self.overlap_alpha != 0.5:
-            raise ValueError(f"{owner}(overlap_alpha={self.overlap_alpha!r}) weighs the \"mix\" merge only; "
-                             "overlap_merge=\"delayed\" keeps every inner step: drop overlap_alpha or pass "
-                             "overlap_merge=\"mix\"")
         check_choice(owner, "compression", self.compression, COMPRESSIONS)
         check_int(owner, "block_size", self.block_size, 2, "elements per min/max block")
         if self.block_size & (self.block_size - 1):

@@ -82,9 +82,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         outer_optimizer: instead, a factory ``f(list_of_tensors) -> torch.optim.Optimizer``.
         fragments, fragment_layout: Streaming DiLoCo's fragments (1: plain DiLoCo), ``"contiguous"`` or
             ``"strided"``; parameters are taken in the inner optimizer's order.
-        overlap_steps, overlap_alpha, overlap_merge: ``tau`` inner steps run while a fragment's exchange travels
-            (on a thread of the optimizer's own), the merge weight ``alpha`` and the merge (``"mix"`` or
-            ``"delayed"``).
+        overlap_steps, overlap_alpha: ``tau`` inner steps run while a fragment's exchange travels (on a thread of
+            the optimizer's own), and the merge weight ``alpha``.
         compression, error_feedback, block_size: what the pseudo-gradient travels as (``"none"``: float32).
         warmup_steps: steps before the first inner phase, whose gradients DDP averages: register
             ``local_hook`` with ``LocalState(warmup_steps=...)`` of the same value.
@@ -122,7 +121,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         fragment_layout: str = "contiguous",
         overlap_steps: int = 0,
         overlap_alpha: float = 0.5,
-        overlap_merge: str = "mix",
         compression: str = "none",
         error_feedback: Optional[bool] = None,
         block_size: int = 4096,
@@ -140,8 +138,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         self.hyper = _hyper(
             sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
             outer_optimizer=outer_optimizer, fragments=fragments, fragment_layout=fragment_layout,
-            overlap_steps=overlap_steps, overlap_alpha=overlap_alpha, overlap_merge=overlap_merge,
-            compression=compression,
+            overlap_steps=overlap_steps, overlap_alpha=overlap_alpha, compression=compression,
             error_feedback=error_feedback, block_size=block_size, warmup_steps=warmup_steps,
             offload_outer_state=offload_outer_state, outer_lr_warmup=outer_lr_warmup,
         )

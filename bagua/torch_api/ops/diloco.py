@@ -100,8 +100,7 @@ class Fragment:
         offload: keep the global weights and the outer optimizer's state in (pinned, with CUDA) CPU memory.
     """
 
-    __slots__ = ("index", "params", "numel", "device", "global_", "outer", "delta", "grad", "workspace", "pending",
-                 "start")
+    __slots__ = ("index", "params", "numel", "device", "global_", "outer", "delta", "grad", "workspace", "pending")
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], outer_factory: OuterFactory,
                  offload: bool = False) -> None:
@@ -121,7 +120,6 @@ class Fragment:
         self.grad = self.delta if home == self.device else torch.empty_like(self.global_, pin_memory=pin)
         self.workspace: Optional[object] = None  # the codec's buffers and error-feedback residuals
         self.pending: Optional[tuple[int, object]] = None  # (finish step, job) of an exchange in flight
-        self.start: Optional[torch.Tensor] = None  # the local weights when it started (the "delayed" merge)
 
     def _views(self, flat: torch.Tensor):
         offset = 0
@@ -135,13 +133,8 @@ class Fragment:
             view.copy_(p)
 
     @torch.no_grad()
-    def pseudo_gradient(self, keep_start: bool = False) -> torch.Tensor:
-        """``delta = global - local`` in float32, into :attr:`delta`, which the exchange then averages in place;
-        ``keep_start``: also keep the local weights in :attr:`start` for the ``"delayed"`` merge."""
-        if keep_start:
-            if self.start is None:
-                self.start = torch.empty_like(self.delta)
-            self._gather_into(self.start)
+    def pseudo_gradient(self) -> torch.Tensor:
+        """``delta = global - local`` in float32, into :attr:`delta`, which the exchange then averages in place."""
         self.delta.copy_(self.global_, non_blocking=True)
         for p, view in self._views(self.delta):
             view.sub_(p)
@@ -162,10 +155,9 @@ class Fragment:
         return sum(wire_numel(ws.bounds(j)[1] - ws.bounds(j)[0], compression, block_size)
                    for j in range(n) if j != r) + (n - 1) * ws.slot
 
-    def finish(self, timeout_s: float, alpha: float, owner: str, delayed: bool = False) -> None:
+    def finish(self, timeout_s: float, alpha: float, owner: str) -> None:
         """Wait for the exchange in flight (if any), check the average is finite (the same verdict on every rank:
-        they hold the same bytes) and take the outer step (merged as :meth:`outer_step` says); ``owner`` names the
-        caller in the error."""
+        they hold the same bytes) and take the outer step; ``owner`` names the caller in the error."""
         assert self.pending is not None
         _, job = self.pending
         if job is not None:
@@ -177,14 +169,12 @@ class Fragment:
                 "weights diverged during the inner steps; the global weights were left as they were. Lower the inner "
                 "learning rate, clip gradients, or use torch.amp.GradScaler (which skips non-finite steps)"
             )
-        self.outer_step(alpha, delayed)
+        self.outer_step(alpha)
 
     @torch.no_grad()
-    def outer_step(self, alpha: float = 0.0, delayed: bool = False) -> None:
+    def outer_step(self, alpha: float = 0.0) -> None:
         """Apply the outer optimizer to the global weights with the averaged pseudo-gradient in :attr:`delta`,
-        then set the local weights: ``x = g`` (``alpha = 0``), ``x = alpha * x + (1 - alpha) * g``, or, with
-        ``delayed``, ``x = x + (g - start)``: the inner steps taken since the exchange started, on top of the new
-        global weights."""
+        then set the local weights: ``x = g`` (``alpha = 0``) or ``x = alpha * x + (1 - alpha) * g``."""
         if self.grad is not self.delta:
             self.grad.copy_(self.delta)
         self.global_.grad = self.grad
@@ -195,13 +185,8 @@ class Fragment:
             source = self.delta
         else:
             source = self.global_
-        if delayed:
-            assert self.start is not None
-            source = self.start.sub_(source).neg_()  # g - start (exact: a negated difference)
         for p, view in self._views(source):
-            if delayed:
-                p.add_(view.to(p.dtype))
-            elif alpha == 0.0:
+            if alpha == 0.0:
                 p.copy_(view)
             else:
                 p.lerp_(view.to(p.dtype), 1.0 - alpha)
@@ -220,8 +205,6 @@ class Fragment:
             self.pending = (finish_step, None)  # the average is in self.delta
             state[f"{p}.pending_finish"] = torch.tensor(finish_step)
             state[f"{p}.pending_average"] = self.delta.detach().clone()
-            if self.start is not None:
-                state[f"{p}.pending_start"] = self.start.detach().clone()
         for key, value in self.outer.state.get(self.global_, {}).items():
             if torch.is_tensor(value):
                 state[f"{p}.outer.{key}"] = value.detach().clone()
@@ -249,5 +232,3 @@ class Fragment:
         if f"{p}.pending_finish" in state:
             self.delta.copy_(state[f"{p}.pending_average"])
             self.pending = (int(state[f"{p}.pending_finish"]), None)
-            if f"{p}.pending_start" in state:
-                self.start = state[f"{p}.pending_start"].to(self.device).clone()

@@ -155,11 +155,8 @@ class DiLoCoDriver:
 
         return CommJob(self.worker, fn, what, cuda=cuda)
 
-    def _delayed(self) -> bool:
-        return self.hyper.overlap_steps > 0 and getattr(self.hyper, "overlap_merge", "mix") == "delayed"
-
     def _start(self, fragment: Fragment, finish_step: int) -> bool:
-        delta = fragment.pseudo_gradient(keep_start=self._delayed())
+        delta = fragment.pseudo_gradient()
         if self.fault is not None:  # inline, over the round's live workers
             if not self.fault.exchange(self, fragment):
                 return False
@@ -189,7 +186,7 @@ class DiLoCoDriver:
     def _finish(self, fragment: Fragment) -> None:
         self._warm_outer_lr(fragment)
         fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
-                        self.owner, delayed=self._delayed())
+                        self.owner)
         self.syncs += 1
 
     def _warm_outer_lr(self, fragment: Fragment) -> None:
