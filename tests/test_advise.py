@@ -1,10 +1,10 @@
-"""The advisor: its pick at the benchmark GPT's eight link x host settings against the README table, its link fit,
+"""The advisor: its pick at the benchmark GPT's twelve link x host settings against the README table, its link fit,
 ``python -m bagua.advise`` under torchrun on loopback, and on 2 emulated hosts (netns-marked: needs root and
 iproute2, skipped otherwise).
 
-The inputs of the eight settings are derived here from the links themselves, not read from the advisor's table:
-the GPT's 10,795,008 fp32 parameters, its measured compute step (docs/results/to-target-gpt-{2,4}hosts.json: 0.70 s
-at 2 hosts, 1.55 s at 4 hosts of half a core), the link's rate times the cost model's TCP efficiency 0.95 (unshaped:
+The inputs of the twelve settings are derived here from the links themselves, not read from the advisor's table:
+the GPT's 10,795,008 fp32 parameters, its measured compute step (docs/results/to-target-gpt-{2,4,8}hosts.json:
+0.70 s at 2 hosts, 1.55 s at 4 hosts of half a core, 3.3 s at 8 of a quarter), the link's rate times the cost model's TCP efficiency 0.95 (unshaped:
 the hosts' software stack, 0.73 GB/s per core shared by the hosts on 2 cores), 1.9 ms per ring message
 (docs/results/cost-model.json).
 """
@@ -26,7 +26,7 @@ from bagua.torch_api import env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT_BYTES = 4 * 10_795_008
-COMPUTE_S = {2: 0.70, 4: 1.55}
+COMPUTE_S = {2: 0.70, 4: 1.55, 8: 3.3}
 EFFICIENCY, STACK_BPS_PER_CORE, MESSAGE_LATENCY_S, CORES = 0.95, 0.73e9 * 8, 1.9e-3, 2
 
 # README "Which algorithm for my link": (link, hosts) -> (algorithm, settings, time to target vs DDP)
@@ -41,8 +41,13 @@ README_PICKS = {
     ("100mbit", 4): ("diloco", WARM, 5.57),
     ("10mbit", 2): ("diloco", STREAMING, 52.5),
     ("10mbit", 4): ("diloco", WARM, 34.7),
+    ("unshaped", 8): ("diloco", WARM, 1.58),
+    ("1gbit", 8): ("diloco", WARM, 1.78),
+    ("100mbit", 8): ("diloco", WARM, 3.75),
+    ("10mbit", 8): ("diloco", WARM, 24.8),
 }
 RATES = {"unshaped": None, "1gbit": 1e9, "100mbit": 1e8, "10mbit": 1e7}
+LINKS = {"unshaped": "unshaped", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s"}
 
 
 def _link(link: str, hosts: int) -> tuple[float, float]:
@@ -64,7 +69,8 @@ def test_recommend_picks_the_readme_pick_for_the_gpt(link, hosts):
     wire = 2 * (hosts - 1) / hosts * GPT_BYTES * 8 / bandwidth
     buckets = 2  # 43.2 MB of gradient in DDP's 25 MiB buckets
     assert rec.ratio == pytest.approx((buckets * latency + wire) / COMPUTE_S[hosts], rel=1e-9)
-    assert rec.row.hosts == hosts and any(rec.row.link in line for line in rec.reasoning)
+    assert rec.row.hosts == hosts and rec.row.link == LINKS[link]
+    assert any(rec.row.link in line for line in rec.reasoning)
 
 
 def test_recommend_says_when_it_extrapolates_and_refuses_one_host():

@@ -91,9 +91,14 @@ def format_rate(bits_per_s: float) -> str:
 
 
 def table_hosts(hosts: int) -> int:
-    """Return the measured host count whose table serves ``hosts``: 2 for 2, else 4 (3 hosts and more already
-    grow DDP's global batch, which is what changed the picks from 2 to 4 hosts)."""
-    return 2 if hosts <= 2 else 4
+    """Return the measured host count whose table serves ``hosts``: 2 for 2, 4 for 3 to 5, 8 from 6 (the nearest
+    on a log scale; 3 hosts already grow DDP's global batch, which is what changed the picks from 2 to 4 hosts).
+
+    Example:
+        >>> [table_hosts(n) for n in (2, 3, 5, 6, 64)]
+        [2, 4, 4, 8, 8]
+    """
+    return 2 if hosts <= 2 else 4 if hosts <= 5 else 8
 
 
 def _code(row: TableRow) -> str:
@@ -120,7 +125,7 @@ def _reasoning(step_s: float, model_bytes: int, bandwidth_bps: float, latency_s:
         f"there {row.pick} reached the target {row.vs_ddp:g}x as fast as DDP: {row.why}",
     ]
     if hosts != row.hosts:
-        lines.append(f"the tables measured 2 and 4 hosts; the {row.hosts}-host table stands in for {hosts} hosts")
+        lines.append(f"the tables measured 2, 4 and 8 hosts; the {row.hosts}-host table stands in for {hosts} hosts")
     if ratio < rows[0].ddp_ratio / _EXTRAPOLATION or ratio > rows[-1].ddp_ratio * _EXTRAPOLATION:
         lines.append(f"the ratio {ratio:.3g} lies beyond the measured rows "
                      f"({rows[0].ddp_ratio:g}-{rows[-1].ddp_ratio:g}): the nearest row's pick, extrapolated")

@@ -40,7 +40,7 @@ class TableRow:
     """One emulated link of one host count, and what won there.
 
     Args:
-        hosts: hosts of the table (2 or 4).
+        hosts: hosts of the table (2, 4 or 8).
         link: the emulated link, as the tables name it ("10 Mbit/s", "unshaped").
         rate_bps: its rate in bits per second; ``None`` for unshaped (the hosts' software stack alone).
         ddp_ratio: DDP's communication-to-compute ratio there (the tables' last row).
@@ -120,5 +120,21 @@ _FOUR_HOSTS = (
               "bytegrad (error_feedback=True) 2.91x, if every step must be synchronous"), _AT4),
 )
 
+_AT8 = f"{BENCHMARKS_DOC}#time-to-target-on-the-gpt-at-8-hosts-2026-11-29-3-seeds"
+_AT8_WHY = ("DiLoCo's warmed-up Nesterov outer step reached the target in 200 steps against DDP's 300 (medians, "
+            "fewer on every seed)")
+_AT8_ONLY = ("only DDP and this point were run at 8 hosts",)
+_EIGHT_HOSTS = (
+    TableRow(8, "unshaped", None, 0.15, "below 8 x 8 H100's latency floor", "warmed-up diloco", "diloco",
+             WARM_DILOCO, 1.58, _AT8_WHY + "; the gain is in steps, not in communication", _AT8_ONLY, _AT8),
+    TableRow(8, "1 Gbit/s", 10**9, 0.22, "below 8 x 8 H100's latency floor", "warmed-up diloco", "diloco",
+             WARM_DILOCO, 1.78, _AT8_WHY + ", where DDP's global batch grows with the hosts", _AT8_ONLY, _AT8),
+    TableRow(8, "100 Mbit/s", 10**8, 1.8, "8 x 8 H100 at 65 Gbit/s", "warmed-up diloco", "diloco", WARM_DILOCO,
+             3.75, "communication is about twice the compute; " + _AT8_WHY, _AT8_ONLY, _AT8),
+    TableRow(8, "10 Mbit/s", 10**7, 19.0, "8 x 8 H100 at 4.4 Gbit/s", "warmed-up diloco", "diloco", WARM_DILOCO,
+             24.8, "communication is twenty times the compute; " + _AT8_WHY
+             + ", though its 4-bit exchange every 10 steps adds a third to the step", _AT8_ONLY, _AT8),
+)
+
 #: The rows of each measured host count, fastest link first.
-TABLES: dict[int, tuple[TableRow, ...]] = {2: _TWO_HOSTS, 4: _FOUR_HOSTS}
+TABLES: dict[int, tuple[TableRow, ...]] = {2: _TWO_HOSTS, 4: _FOUR_HOSTS, 8: _EIGHT_HOSTS}
