@@ -229,6 +229,23 @@ def test_compressed_ranks_agree_and_stay_within_the_codec_bound(compression):
         assert max(errors) > 0, "the codec changed nothing: this test could not see a wrong average"
 
 
+def test_nf2_ranks_agree_and_keep_the_direction_of_the_outer_step():
+    """nf2's error has no range bound (outliers are clipped at 1.51 RMS): the ranks still end bit for bit equal,
+    and the first outer step keeps the exact one's direction (cosine above 0.8; a wrong average, a lost chunk or a
+    sign error would fall far below)."""
+    H = 3
+    results = run_workers(_worker_compressed, 2, "nf2", H, timeout=120)
+    for step in (H, 2 * H):
+        for a, b in zip(results[0][0][step - 1], results[1][0][step - 1]):
+            assert torch.equal(a, b), step
+    start = torch.cat([p.detach().reshape(-1) for p in make_model(0).parameters()])
+    for got, exact, _, _ in results:
+        moved = torch.cat([t.reshape(-1) for t in got[H - 1]]) - start
+        wanted = torch.cat([t.reshape(-1) for t in exact]) - start
+        assert float(torch.nn.functional.cosine_similarity(moved, wanted, dim=0)) > 0.8  # 0.92 when written
+        assert not torch.equal(moved, wanted), "the codec changed nothing: this test could not see a wrong average"
+
+
 def _worker_bytes(rank, world_size):
     from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 

@@ -14,8 +14,9 @@ Streaming DiLoCo (https://arxiv.org/abs/2501.18512) adds three things, each a kn
 - ``overlap_steps=tau``: a fragment's exchange runs on the communication thread while ``tau`` more inner steps
   run; the outer step then lands on weights that moved on, and the two are merged as
   ``x = alpha * x + (1 - alpha) * g`` (``overlap_alpha``, the paper's alpha; with ``tau = 0`` simply ``x = g``);
-- ``compression``: the pseudo-gradient travels as ``"bf16"``, or in 8 or 4 bits per value with a min/max per block
-  (``"uint8"``, ``"uint4"``, :mod:`bagua.torch_api.codecs.block`), through a scatter-reduce-gather; accumulation
+- ``compression``: the pseudo-gradient travels as ``"bf16"``, in 8 or 4 bits per value with a min/max per block
+  (``"uint8"``, ``"uint4"``), or in 2 bits about each block's mean and RMS (``"nf2"``, best with ``block_size=256``;
+  :mod:`bagua.torch_api.codecs.block`), through a scatter-reduce-gather; accumulation
   and the outer step stay in float32, and error feedback (on by default when compressed) carries each rank's
   quantization error to its next pseudo-gradient.
 
@@ -51,7 +52,7 @@ from bagua.torch_api.tensor import BaguaTensor
 __all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS", "check_fault_tolerance"]
 
 #: what the pseudo-gradient travels as
-COMPRESSIONS = ("none", "bf16", "uint8", "uint4")
+COMPRESSIONS = ("none", "bf16", "uint8", "uint4", "nf2")
 
 
 class DiLoCoAlgorithmImpl(AlgorithmImpl):
@@ -204,10 +205,11 @@ class DiLoCoAlgorithm(Algorithm):
         overlap_steps: ``tau``, inner steps run while a fragment's exchange travels (less than
             ``sync_every``); 0 waits for it at once.
         overlap_alpha: with ``overlap_steps > 0``, the weights become ``alpha * x + (1 - alpha) * g``.
-        compression: ``"none"`` (float32 allreduce), ``"bf16"``, ``"uint8"`` or ``"uint4"`` (block-wise min/max codes).
+        compression: ``"none"`` (float32 allreduce), ``"bf16"``, ``"uint8"`` or ``"uint4"`` (block-wise min/max
+            codes), or ``"nf2"`` (2-bit codes about each block's mean and RMS; pass ``block_size=256``).
         error_feedback: keep each rank's compression error and add it to the next pseudo-gradient; ``None``
             (default) means on when compressed.
-        block_size: elements per min/max block of the 8- and 4-bit codes.
+        block_size: elements per block of the 8-, 4- and 2-bit codes.
         warmup_steps: steps of plain float32 gradient allreduce before the first inner phase.
         hierarchical: average inside each node in float32 first and exchange among node leaders only.
         offload_outer_state: keep the global weights and the outer optimizer's state in (pinned) CPU memory.

@@ -1,4 +1,4 @@
-"""Block-wise low-bit codecs (``bf16``, ``uint8``, ``uint4``) as pure tensor functions.
+"""Block-wise low-bit codecs (``bf16``, ``uint8``, ``uint4``, ``nf2``) as pure tensor functions.
 
 A 1-D float32 tensor of ``n`` elements splits into blocks of ``block_size`` consecutive elements (the last one may
 be short). ``uint8`` and ``uint4`` quantize every block on its own range with ``L = 255`` or ``L = 15`` levels; in
@@ -32,6 +32,11 @@ a block of ``m`` elements holds the code of element ``i`` in its low nibble and 
 in its high nibble (0 past the end). At the default block of 4096, ``uint4`` spends ``(8 + 2048) / 2048``
 bytes per two elements: 0.39 % above ``n / 2``.
 
+``nf2`` (:mod:`~bagua.torch_api.codecs.normal2`): 2-bit codes at a normal distribution's Lloyd-Max levels about
+each block's mean and RMS, the float32 header ``(mean, rms)``, four codes to a byte by quarters of the block (2.25
+bits per value at a block of 256). Whole-tensor operations on every device; the reductions run in float64, so
+devices agree on the bytes except in a rounding tie of the header.
+
 Deterministic: the codes depend only on these float32 operations (no fused multiply-add, no reciprocal of a
 scalar divisor), so every rank and device writes the same bytes for the same input.
 
@@ -57,11 +62,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from bagua.torch_api.codecs import triton_kernels
+from bagua.torch_api.codecs import normal2, triton_kernels
 
 __all__ = ["CODECS", "DEFAULT_BLOCK", "PIECE", "wire_numel", "encode", "decode", "error_bound"]
 
-CODECS = ("bf16", "uint8", "uint4")
+CODECS = ("bf16", "uint8", "uint4", "nf2")
 #: Elements per block. The uint4 headers cost 8 bytes per block, 0.39 % of the codes at 4096 (2048: 0.78 %; 1024
 #: is above the 1 % goal). Speed is flat from 1024 to 65536 (within a few %, ``benchmarks/codec.py --block-sizes``),
 #: and larger blocks have wider ranges, so coarser steps: 4096 is the smallest block with headers well under 1 %.
@@ -85,18 +90,22 @@ def _check(codec: str, block_size: int) -> None:
 
 def _code_bytes(length: int, codec: str) -> int:
     """Bytes of codes for a block of ``length`` elements."""
+    if codec == "nf2":
+        return normal2.code_bytes(length)
     return length if codec == "uint8" else (length + 1) // 2
 
 
 def wire_numel(numel: int, codec: str, block_size: int = DEFAULT_BLOCK) -> int:
     """Return the bytes on the wire for ``numel`` float32 values.
 
-    ``bf16``: ``2 n``; ``uint8``: ``8 b + n``; ``uint4``: ``8 b`` plus ``ceil(m / 2)`` per block of ``m``
-    elements, where ``b = ceil(n / block_size)`` is the number of blocks.
+    ``bf16``: ``2 n``; ``uint8``: ``8 b + n``; ``uint4`` / ``nf2``: ``8 b`` plus ``ceil(m / 2)`` / ``ceil(m / 4)``
+    per block of ``m`` elements, where ``b = ceil(n / block_size)`` is the number of blocks.
 
     Example:
         >>> wire_numel(10_000, "bf16"), wire_numel(10_000, "uint8"), wire_numel(10_000, "uint4")
         (20000, 10024, 5024)
+        >>> wire_numel(10_000, "nf2", 256)
+        2820
     """
     _check(codec, block_size)
     if codec == "bf16":
@@ -261,6 +270,11 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
         else:
             out.copy_(x.to(torch.bfloat16).view(torch.uint8))
         return out
+    if codec == "nf2":
+        blocks = -(-n // block_size)
+        hdr = normal2.encode_runs(x, _layout(n, codec, block_size), blocks, _piece(x.device, block_size), out)
+        out[: HEADER_BYTES * blocks].copy_(hdr.view(-1).view(torch.uint8))
+        return out
     if _fused(x, out, block_size):  # CUDA: one Triton kernel, the same bytes (triton_kernels)
         return triton_kernels.block_encode(x, codec, block_size, out)
     levels = _LEVELS[codec]
@@ -290,6 +304,11 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
         codes = out[c : c + _code_bytes(b - a, codec)].view(1, -1)
         _quantize(half, mn, _scale(mn, mx, levels), codes, _Scratch(1, b - a, levels, x.device))
     return out
+
+
+def _piece(device: torch.device, block_size: int) -> int:
+    """Blocks per piece of the ``nf2`` loops: one cache piece on CPU, every block elsewhere."""
+    return max(1, PIECE // block_size) if device.type == "cpu" else 1 << 62
 
 
 def _fused(values: torch.Tensor, wire: torch.Tensor, block_size: int) -> bool:
@@ -342,6 +361,10 @@ def decode(wire: torch.Tensor, numel: int, codec: str, block_size: int = DEFAULT
         for v, o in _split(k, values, out):  # bfloat16 + float32 in one op is about 10x slower
             o.add_(w[: v.numel()].copy_(v))
         return out
+    if codec == "nf2":
+        hdr = _header(wire, -(-numel // block_size))
+        return normal2.decode_runs(wire, hdr, _layout(numel, codec, block_size), _piece(out.device, block_size), out,
+                                   accumulate)
     if _fused(out, wire, block_size):
         return triton_kernels.block_decode(wire, numel, codec, block_size, out, accumulate)
     levels = _LEVELS[codec]
@@ -403,6 +426,10 @@ def error_bound(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK) ->
     if codec == "bf16":
         bound = x.abs() * 2.0**-8 + 2.0**-134
         return bound.masked_fill_(~(x.abs() < _BF16_OVERFLOW), float("inf"))
+    if codec == "nf2":
+        parts = [normal2.error_bound_rows(x[start : start + count * m].view(count, m)).reshape(-1)
+                 for _, count, m, start, _ in _layout(x.numel(), codec, block_size)]
+        return torch.cat(parts).float() if parts else x.new_empty(0)
     levels = _LEVELS[codec]
     bounds = []
     for _, count, m, start, _ in _layout(x.numel(), codec, block_size):
