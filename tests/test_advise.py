@@ -32,6 +32,7 @@ EFFICIENCY, STACK_BPS_PER_CORE, MESSAGE_LATENCY_S, CORES = 0.95, 0.73e9 * 8, 1.9
 # README "Which algorithm for my link": (link, hosts) -> (algorithm, settings, time to target vs DDP)
 STREAMING = 'sync_every=10, outer_lr=1.0, outer_momentum=0.0, compression="uint4", fragments=2, overlap_steps=3'
 WARM = 'sync_every=10, outer_lr=1.0, outer_momentum=0.5, outer_lr_warmup=10, compression="uint4"'
+WARM_NF2 = 'sync_every=10, outer_lr=1.0, outer_momentum=0.5, outer_lr_warmup=10, compression="nf2", block_size=256'
 README_PICKS = {
     ("unshaped", 2): ("gradient_allreduce", "defaults", 1.05),
     ("unshaped", 4): ("diloco", WARM, 1.42),
@@ -40,7 +41,7 @@ README_PICKS = {
     ("100mbit", 2): ("diloco", STREAMING, 5.95),
     ("100mbit", 4): ("diloco", WARM, 5.57),
     ("10mbit", 2): ("diloco", STREAMING, 52.5),
-    ("10mbit", 4): ("diloco", WARM, 34.7),
+    ("10mbit", 4): ("diloco", WARM_NF2, 29.7),
     ("unshaped", 8): ("diloco", WARM, 1.58),
     ("1gbit", 8): ("diloco", WARM, 1.78),
     ("100mbit", 8): ("diloco", WARM, 3.75),

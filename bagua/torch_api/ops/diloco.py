@@ -5,7 +5,7 @@ fragment (a group of parameters) with ``g`` its global weights (float32, the sam
 rank's weights after its inner steps::
 
     delta = g - x                       (the pseudo-gradient, float32)
-    avg   = mean over ranks of delta    (exact, or through a block codec: bf16, uint8, uint4)
+    avg   = mean over ranks of delta    (exact, or through a block codec: bf16, uint8, uint4, nf2)
     g     = OuterOptimizer(g, grad=avg) (SGD with Nesterov momentum by default, in float32)
     x     = g                           (tau = 0)
     x     = alpha * x + (1 - alpha) * g (tau > 0: x made tau more inner steps while avg travelled)
