@@ -12,7 +12,8 @@ a normal distribution's squared error (Lloyd-Max: ``+-0.4528``, ``+-1.5104``; th
 
 Per element ``|x - x'| <= rms * max(0.5288, |x - mu| / rms - 1.5104)`` plus float32 rounding: at most 0.53 rms
 within 2 rms of the mean (:func:`error_bound_rows`). A constant block (``rms = 0``) decodes to itself; a block
-holding a NaN or an Inf decodes to NaN or Inf everywhere (its mean or RMS is not finite), which callers detect.
+holding a NaN or an Inf decodes to NaN or Inf everywhere (its mean or RMS is not finite), which callers detect,
+and so may a finite block whose ``1.5104 rms`` passes float32's largest value (values near ``2**127``).
 Unlike the min/max codes the error is not bounded by the block's range: outliers are clipped to ``1.51 rms`` and
 error feedback carries the rest to the next round.
 
