@@ -63,6 +63,7 @@ from typing import Optional
 
 import torch
 from bagua.torch_api.codecs import normal2, triton_kernels
+from bagua.torch_api.codecs._constants import constant
 
 __all__ = ["CODECS", "DEFAULT_BLOCK", "PIECE", "wire_numel", "encode", "decode", "error_bound"]
 
@@ -177,24 +178,13 @@ def _quantize(x: torch.Tensor, mn: torch.Tensor, s: torch.Tensor, codes: torch.T
     codes.copy_(b.lo_bits)
 
 
-_CONSTANTS: dict[tuple, torch.Tensor] = {}
-
-
-def _constant(values: tuple, dtype: torch.dtype, device: torch.device, shape: tuple) -> torch.Tensor:
-    """A small constant tensor, made once per device."""
-    key = (values, dtype, device, shape)
-    if key not in _CONSTANTS:
-        _CONSTANTS[key] = torch.tensor(values, dtype=dtype, device=device).view(shape)
-    return _CONSTANTS[key]
-
-
 def _dequantize(codes: torch.Tensor, mn: torch.Tensor, step: torch.Tensor, w: torch.Tensor, b: _Scratch) -> None:
     """Write ``min + q * step`` of the ``(k, bytes)`` codes into the ``(k, m)`` float32 ``w`` (the formula as
     written; :func:`_dequantize_pairs` is the faster uint4 path for blocks of even length)."""
     if b.levels == 255:
         w.copy_(codes)
     else:  # both nibbles in one broadcast shift, (k, 1, h) >> (1, 2, 1): rows of [low nibbles, high nibbles]
-        shifts = _constant((0, 4), torch.uint8, codes.device, (1, 2, 1))
+        shifts = constant((0, 4), torch.uint8, codes.device, (1, 2, 1))
         torch.bitwise_right_shift(codes.unsqueeze(1), shifts, out=b.nibbles)
         w.copy_(b.nibbles.bitwise_and_(15).view(w.shape[0], -1)[:, : w.shape[1]])
     w.mul_(step).add_(mn)
@@ -209,7 +199,7 @@ def _dequantize_pairs(codes: torch.Tensor, mn: torch.Tensor, steps: torch.Tensor
     float32 wherever ``step / 16`` is exact: everywhere but for ``0 < step < 2**-122``, blocks that
     :func:`decode` redoes with :func:`_dequantize`.
     """
-    torch.bitwise_and(codes.unsqueeze(1), _constant((0x0F, 0xF0), torch.uint8, codes.device, (1, 2, 1)), out=b.nibbles)
+    torch.bitwise_and(codes.unsqueeze(1), constant((0x0F, 0xF0), torch.uint8, codes.device, (1, 2, 1)), out=b.nibbles)
     w.copy_(b.nibble_rows)
     w.view(w.shape[0], 2, -1).mul_(steps)
     w.add_(mn)
@@ -373,7 +363,7 @@ def decode(wire: torch.Tensor, numel: int, codec: str, block_size: int = DEFAULT
     mn, mx = hdr[:, 0:1], hdr[:, 1:2]
     pairs = levels == 15
     if pairs:  # [r / L, r / (16 L)] per block, for _dequantize_pairs: the second is step / 16 where that is exact
-        steps = torch.div(mx - mn, _constant((15.0, 240.0), torch.float32, wire.device, (1, 2))).unsqueeze(2)
+        steps = torch.div(mx - mn, constant((15.0, 240.0), torch.float32, wire.device, (1, 2))).unsqueeze(2)
     else:
         steps = _step(mn, mx, levels)
     special = _huge(hdr)  # blocks decoded one by one: huge ones, and for uint4 those where step / 16 is inexact

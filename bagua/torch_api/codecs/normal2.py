@@ -39,6 +39,8 @@ from typing import Sequence
 
 import torch
 
+from bagua.torch_api.codecs._constants import constant
+
 __all__ = ["LEVELS", "THRESHOLD", "code_bytes", "encode_rows", "decode_rows", "encode_runs", "decode_runs",
            "error_bound_rows"]
 
@@ -81,27 +83,17 @@ def encode_rows(rows: torch.Tensor, header: torch.Tensor, codes: torch.Tensor) -
     q[:, :m] += c > 0
     q[:, :m] += c > t
     parts = q.view(k, 4, h)
-    torch.bitwise_left_shift(parts, _levels_like((1, 4, 1), torch.uint8, rows.device, _SHIFTS), out=parts)
+    torch.bitwise_left_shift(parts, constant(_SHIFTS, torch.uint8, rows.device, (1, 4, 1)), out=parts)
     codes.copy_(parts.sum(dim=1, dtype=torch.uint8))  # the parts' bits do not overlap: the sum is their OR
-
-
-_TABLES: dict[tuple, torch.Tensor] = {}
-
-
-def _levels_like(shape: tuple, dtype: torch.dtype, device: torch.device, values: tuple = LEVELS) -> torch.Tensor:
-    key = (shape, dtype, device, values)
-    if key not in _TABLES:
-        _TABLES[key] = torch.tensor(values, dtype=dtype, device=device).view(shape)
-    return _TABLES[key]
 
 
 def decode_rows(codes: torch.Tensor, header: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
     """Write ``mu + rms * LEVELS[q]`` of the ``(k, ceil(m / 4))`` uint8 ``codes`` into the ``(k, m)`` float32
     ``out``, or add it (in float32) with ``accumulate``."""
     k, m = out.shape
-    shifts = _levels_like((1, 4, 1), torch.uint8, codes.device, _SHIFTS)
+    shifts = constant(_SHIFTS, torch.uint8, codes.device, (1, 4, 1))
     q = torch.bitwise_right_shift(codes.unsqueeze(1), shifts).bitwise_and_(3).view(k, -1)[:, :m]
-    values = _levels_like((4,), torch.float32, codes.device)[q.long()]
+    values = constant(LEVELS, torch.float32, codes.device, (4,))[q.long()]
     values.mul_(header[:, 1:2]).add_(header[:, 0:1])
     if accumulate:
         out.add_(values)
