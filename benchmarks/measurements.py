@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from benchmarks.cost_equations import HALF_HOOKS
-from benchmarks.systems import _make_optimizer
+from benchmarks.systems import _inner_optimizers, _Optimizers
 
 __all__ = ["CODEC_PASSES"]
 
@@ -28,7 +28,7 @@ CODEC_PASSES: dict[str, Callable[[int], tuple[float, float]]] = {
     "ddp_bf16": lambda n: (1.0, 1.0),
 }
 
-def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable, x, y) -> float:
+def _step(model: torch.nn.Module, optimizer: Any, loss_fn: Callable, x, y) -> float:
     optimizer.zero_grad()
     loss = loss_fn(model(x), y)
     loss.backward()
@@ -38,7 +38,7 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Cal
 
 def _median_compute_step(replica: torch.nn.Module, optimizer_kind: str, lr: float, loss_fn: Callable,
                          batches: list, n: int) -> float:
-    optimizer = _make_optimizer(optimizer_kind, replica.parameters(), lr)
+    optimizer = _Optimizers(_inner_optimizers(optimizer_kind, replica, lr))
     times = []
     for i in range(n + 1):
         x, y = batches[i % len(batches)]

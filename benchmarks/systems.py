@@ -5,7 +5,9 @@ A *system* is a spec ``name[:key=value...]`` (:func:`split_system`): ``ddp``, ``
 ``ddp_bytegrad[:codec=uint8:error_feedback=True...]`` (Bagua's ByteGrad as a DDP comm hook, the arguments of
 ``ByteGradState``),
 ``ddp_post_local_sgd[:period=P:warmup=W]`` (torch's post-local SGD, :func:`_post_local_sgd`) or a name in Bagua's
-algorithm registry (:func:`available_systems`). :func:`make_system` wraps a model for it, builds its
+algorithm registry (:func:`available_systems`). ``inner=muon`` (or ``adam``, ``sgd``) on ``ddp`` or a Bagua
+algorithm other than ``qadam`` picks the inner optimizer (:data:`INNER_OPTIMIZERS`), e.g.
+``diloco:sync_every=10:inner=muon``. :func:`make_system` wraps a model for it, builds its
 optimizer and times its communication (:class:`_IntervalTimer`); :func:`untimed_steps` and
 :func:`qadam_warmup_steps` size the start-up phase left untimed.
 
@@ -18,11 +20,11 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Union
 
 import torch
 
-__all__ = ["DDP_SYSTEMS", "split_system", "load_algorithm_modules", "available_systems", "System", "untimed_steps",
+__all__ = ["DDP_SYSTEMS", "INNER_OPTIMIZERS", "split_system", "load_algorithm_modules", "available_systems", "System", "untimed_steps",
            "qadam_warmup_steps", "make_system", "POST_LOCAL_SGD_DEFAULTS", "steps_per_round"]
 
 DDP_SYSTEMS = ("ddp", "ddp_fp16", "ddp_bf16", "ddp_powersgd", "ddp_post_local_sgd", "ddp_bytegrad")
@@ -118,7 +120,7 @@ class System:
     """A model wrapped for distributed training, with its optimizer and instrumentation."""
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: Union[torch.optim.Optimizer, _Optimizers]
     no_sync: Callable[[], ContextManager]
     timer: Optional[_IntervalTimer]
     before_step: Callable[[], None] = lambda: None
@@ -128,6 +130,43 @@ class System:
 
 def _make_optimizer(kind: str, params, lr: float) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=lr) if kind == "adam" else torch.optim.SGD(params, lr=lr)
+
+
+#: inner optimizers a system spec can ask for with ``inner=NAME`` (default: the model's, Adam or SGD)
+INNER_OPTIMIZERS = ("adam", "sgd", "muon")
+#: ``inner=muon``: torch's Muon (momentum 0.95, Nesterov, no weight decay, its ``original`` learning-rate scaling)
+#: on the 2-D weights of the hidden layers, at this learning rate; embeddings, biases and norms stay on Adam
+MUON_LR = 0.02
+
+
+class _Optimizers:
+    """Several optimizers stepped as one by the training loop (``zero_grad`` / ``step``); the wrapped model gets
+    the list (``with_bagua(optimizers, ...)`` waits for all of them before a synchronization)."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        self.optimizers = optimizers
+
+    def zero_grad(self) -> None:
+        for o in self.optimizers:
+            o.zero_grad()
+
+    def step(self) -> None:
+        for o in self.optimizers:
+            o.step()
+
+
+def _inner_optimizers(kind: str, model: torch.nn.Module, lr: float) -> list[torch.optim.Optimizer]:
+    """The inner optimizers of ``model`` for ``kind`` (:data:`INNER_OPTIMIZERS`); ``lr`` is Adam's or SGD's."""
+    if kind not in INNER_OPTIMIZERS:
+        raise ValueError(f"inner={kind!r}: choose one of {', '.join(INNER_OPTIMIZERS)}")
+    if kind != "muon":
+        return [_make_optimizer(kind, model.parameters(), lr)]
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    matrices = [p for p in model.parameters() if p.dim() == 2 and id(p) not in embeddings]
+    rest = [p for p in model.parameters() if p.dim() != 2 or id(p) in embeddings]
+    if not matrices:
+        raise ValueError("inner=muon: the model has no 2-D hidden weights for Muon to train")
+    return [torch.optim.Muon(matrices, lr=MUON_LR, weight_decay=0.0), torch.optim.Adam(rest, lr=lr)]
 
 
 def _timed_hook(hook: Callable, timer: _IntervalTimer) -> Callable:
@@ -265,6 +304,14 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
 
     timer = _IntervalTimer()
     name, kwargs = split_system(name)
+    inner = kwargs.pop("inner", None)  # e.g. diloco:inner=muon (INNER_OPTIMIZERS)
+    if inner is not None:
+        if name != "ddp" and (name in DDP_SYSTEMS or name in ("qadam", "torchft_diloco")):
+            raise ValueError(f"{name}: inner= is supported by ddp and Bagua's algorithms except qadam")
+        optimizers = _inner_optimizers(inner, model, lr)
+        if name == "ddp":
+            ddp = DDP(model)
+            return System(ddp, _Optimizers(optimizers), ddp.no_sync, None, notes=[f"inner optimizer {inner}"])
     if name == "ddp_post_local_sgd":
         return _post_local_sgd(model, optimizer_kind, lr, timer, **kwargs)
     if name == "torchft_diloco":  # an optional peer: torchft's DiLoCo (benchmarks.torchft_peer)
@@ -312,10 +359,15 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
                                    warmup_steps=qadam_warmup)
         algorithm = GlobalAlgorithmRegistry.get("qadam")(optimizer, **kwargs)  # e.g. qadam:codec=uint8
         notes.append(f"QAdamOptimizer, warmup_steps={qadam_warmup}")
+    elif inner is not None:
+        optimizer = _Optimizers(optimizers)
+        algorithm = Algorithm.init(name, **kwargs)
+        notes.append(f"inner optimizer {inner}")
     else:
         optimizer = _make_optimizer(optimizer_kind, model.parameters(), lr)
         algorithm = Algorithm.init(name, **kwargs)
-    model = model.with_bagua([optimizer], algorithm)
+    model = model.with_bagua(optimizer.optimizers if isinstance(optimizer, _Optimizers) else [optimizer],
+                             algorithm)
 
     def close() -> None:
         impl = model.bagua_ddp.impl

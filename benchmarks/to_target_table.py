@@ -245,8 +245,10 @@ def recommend(table: Sequence[dict]) -> list[str]:
         else:
             close = [c["system"] for c in cells if c is not best and compare(best["time_spread"], c["time_spread"])
                      != "faster"]
-            out.append(f"{where}: {best['system']}, {best['vs_ddp']:.2f}x DDP's time to target on the median, "
-                       f"faster than DDP on every seed; within its spread: {', '.join(close) or 'none'}{ahead}.")
+            ratio = (f"{best['vs_ddp']:.2f}x DDP's time to target on the median" if best["vs_ddp"] is not None
+                     else "DDP did not reach the target")
+            out.append(f"{where}: {best['system']}, {ratio}, faster than DDP on every seed; within its spread: "
+                       f"{', '.join(close) or 'none'}{ahead}.")
     return out
 
 

@@ -108,7 +108,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         from benchmarks import to_target
         return _write(args, to_target.train(args, rank, world))
     spec = MODELS[args.model]
-    optimizer_kind = spec.optimizer
+    optimizer_kind = split_system(args.system)[1].get("inner", spec.optimizer)  # what the compute step uses
     lr = args.lr if args.lr is not None else spec.lr
     qadam_warmup = qadam_warmup_steps(len(_batches(args, rank, world)[0]) if spec.data == "digits" else None,
                                       args.steps)

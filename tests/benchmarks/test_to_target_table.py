@@ -181,6 +181,11 @@ def test_validation_recommendations_and_markdown():
     (rec,) = to_target_table.recommend(one_seed)
     assert rec.startswith("gpt, 2 hosts, unshaped: DDP; nothing is faster on every seed")
     assert "(ddp_fp16 is faster on its 1 seed(s), fewer than DDP's 3: not counted)" in rec
+    # DDP missing the target on every seed while another system reaches it: named without a ratio
+    missed = combine(_conv("ddp", [None, None]) + _conv("ddp_fp16", [300, 320])
+                     + [_step(s, "unshaped", None, 1.0) for s in ("ddp", "ddp_fp16")], FIT)
+    (rec,) = to_target_table.recommend(missed)
+    assert rec.startswith("gpt, 2 hosts, unshaped: ddp_fp16, DDP did not reach the target, faster than DDP"), rec
     md = to_target_table.format_markdown(table)
     assert "| async | real runs |" in md and " *" in md and " +" in md and " -" in md
     assert "| DDP comm / compute = GPU setting |" in md and "H100" in md
