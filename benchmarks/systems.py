@@ -24,8 +24,8 @@ from typing import Any, Callable, ContextManager, Optional, Union
 
 import torch
 
-__all__ = ["DDP_SYSTEMS", "INNER_OPTIMIZERS", "split_system", "load_algorithm_modules", "available_systems", "System", "untimed_steps",
-           "qadam_warmup_steps", "make_system", "POST_LOCAL_SGD_DEFAULTS", "steps_per_round"]
+__all__ = ["DDP_SYSTEMS", "INNER_OPTIMIZERS", "split_system", "load_algorithm_modules", "available_systems",
+           "System", "untimed_steps", "qadam_warmup_steps", "make_system", "POST_LOCAL_SGD_DEFAULTS", "steps_per_round"]
 
 DDP_SYSTEMS = ("ddp", "ddp_fp16", "ddp_bf16", "ddp_powersgd", "ddp_post_local_sgd", "ddp_bytegrad")
 

@@ -13,7 +13,8 @@ checks read what each worker saved at the end:
   job): bit for bit the same weights without failures;
 - compressed (uint4, error feedback): one round within the codec's bound of the exact average written plainly in
   this file, residuals within half a step; through ``with_bagua``, a worker killed mid-exchange: the survivors
-  retry the round, the restarted worker heals, all agree bit for bit;
+  retry the round, the restarted worker heals, all agree bit for bit; 2-bit ``nf2``: the round is the mean of
+  each pseudo-gradient decoded by the codec's formula written plainly, and the residuals are what it lost;
 - workers started with different settings (compression, outer step) stop with a clear error on every worker.
 """
 
@@ -192,6 +193,26 @@ def test_compressed_round_is_within_the_codec_bound(tmp_path, codec="uint4", lev
         residual = r["residuals"][0]
         assert float(residual.abs().max()) <= 0.51 * float(deltas[i].max() - deltas[i].min()) / levels + 1e-6
         assert float(residual.abs().max()) > 0
+
+
+def test_nf2_round_is_the_average_of_the_plainly_decoded_pseudo_gradients(tmp_path):
+    # the 2-bit nf2 codec in a fault-tolerant round: one block (1,540 weights < 4,096) per worker, coded about its
+    # mean and RMS; the new global weights are g0 minus the mean of what the codec's formula, written plainly in
+    # tests/torch_api/test_block_codec.py, decodes from each worker's pseudo-gradient
+    from tests.torch_api.test_block_codec import _reference_nf2
+
+    results, _ = _job(tmp_path, {i: ["--steps", str(H), "--compression", "nf2", "--outer", "1,0"]
+                                 for i in range(WORKERS)})
+    for r in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0]["global"], r["global"])), "the workers differ"
+    exact, deltas = _exact_first_round(H)
+    decoded = [_reference_nf2(d, 4096)[1] for d in deltas]
+    expected = exact + sum(deltas) / WORKERS - sum(decoded) / WORKERS  # g0 - mean(decoded)
+    got = results[0]["global"][0]
+    assert torch.allclose(got, expected, rtol=0, atol=1e-6), float((got - expected).abs().max())
+    assert float((got - exact).abs().max()) > 1e-4  # 2 bits are far from exact: the comparison can fail
+    for i, r in enumerate(results):  # error feedback keeps exactly what the encoding lost
+        assert torch.allclose(r["residuals"][0], deltas[i] - decoded[i], rtol=0, atol=1e-6)
 
 
 def test_with_bagua_compressed_round_retried_after_a_death_agrees(tmp_path):

@@ -1,12 +1,13 @@
 """A fault-tolerant round's compressed average: each member's pseudo-gradient encoded once and all-gathered.
 
 Every member encodes its pseudo-gradient (plus its error-feedback residual) with the block codec of DiLoCo
-(:mod:`bagua.torch_api.codecs.block`: ``"bf16"``, ``"uint8"`` or ``"uint4"``), the round's gloo group all-gathers the
-wires, and every member decodes and sums them in member order: the same bytes in the same order, so every member
-ends with the same average, bit for bit. An all-gather rather than DiLoCo's scatter-reduce-gather: a member sends
-its wire to each peer once (``members - 1`` wires, twice the scatter-reduce-gather's bytes at 4 members), and nothing
-is re-quantized, so a failed round leaves nothing half-reduced. The new residual is returned, not kept: the caller
-keeps it only once the round's verdict is ``ok`` (a retried round starts again from the old one).
+(:mod:`bagua.torch_api.codecs.block`: ``"bf16"``, ``"uint8"``, ``"uint4"`` or ``"nf2"``), the round's gloo group
+all-gathers the wires, and every member decodes and sums them in member order: the same bytes in the same order, so
+every member ends with the same average, bit for bit. An all-gather rather than DiLoCo's scatter-reduce-gather: a
+member sends its wire to each peer once (``members - 1`` wires, twice the scatter-reduce-gather's bytes at 4
+members), and nothing is re-quantized, so a failed round leaves nothing half-reduced. The new residual is returned,
+not kept: the caller keeps it only once the round's verdict is ``ok`` (a retried round starts again from the old
+one).
 
 Example:
     >>> residual = compressed_average(group, delta, [8, 8, 8], 1, "uint4", 4096, residual, 30.0)  # doctest: +SKIP
