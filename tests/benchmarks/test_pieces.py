@@ -6,6 +6,7 @@ import csv
 import json
 
 import pytest
+import torch
 from benchmarks import netns, report
 from benchmarks.systems import _IntervalTimer
 
@@ -123,3 +124,15 @@ def test_split_system_reads_algorithm_arguments():
         "decentralized", {"peer_selection_mode": "shift_one", "communication_interval": 2})
     with pytest.raises(ValueError, match="name:key=value"):
         split_system("decentralized:shift_one")
+
+
+def test_muon_cost_float32_iteration_orthogonalizes_like_the_svd():
+    from benchmarks.muon_cost import newton_schulz_float32
+
+    g = torch.randn(96, 24, generator=torch.Generator().manual_seed(0)) @ torch.diag(torch.logspace(0, 2, 24))
+    x = newton_schulz_float32(g)
+    u, _, vh = torch.linalg.svd(g, full_matrices=False)
+    polar = u @ vh  # the exact orthogonal factor the quintic iteration approximates
+    s = torch.linalg.svdvals(x)
+    assert x.shape == g.shape and 0.6 < float(s.min()) and float(s.max()) < 1.25, s
+    assert float((x * polar).sum() / (x.norm() * polar.norm())) > 0.95
