@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from benchmarks.cost_equations import HALF_HOOKS
-from benchmarks.systems import _inner_optimizers, _Optimizers
+from benchmarks.systems import _build_optimizer
 
 __all__ = ["CODEC_PASSES"]
 
@@ -38,7 +38,7 @@ def _step(model: torch.nn.Module, optimizer: Any, loss_fn: Callable, x, y) -> fl
 
 def _median_compute_step(replica: torch.nn.Module, optimizer_kind: str, lr: float, loss_fn: Callable,
                          batches: list, n: int) -> float:
-    optimizer = _Optimizers(_inner_optimizers(optimizer_kind, replica, lr))
+    optimizer = _build_optimizer(optimizer_kind, replica, lr)
     times = []
     for i in range(n + 1):
         x, y = batches[i % len(batches)]

@@ -62,7 +62,7 @@ def main() -> None:
     model = build_model("gpt")
     spec = MODELS["gpt"]
     tokens = torch.randint(0, 256, (spec.batch_size, spec.in_shape[0] + 1))
-    muon, adam = _inner_optimizers("muon", model, spec.lr)
+    muon, _ = _inner_optimizers("muon", model, spec.lr)  # Muon on the hidden matrices, Adam on the rest
     matrices = [p for group in muon.param_groups for p in group["params"]]
 
     def fwd_bwd() -> None:

@@ -169,6 +169,12 @@ def _inner_optimizers(kind: str, model: torch.nn.Module, lr: float) -> list[torc
     return [torch.optim.Muon(matrices, lr=MUON_LR, weight_decay=0.0), torch.optim.Adam(rest, lr=lr)]
 
 
+def _build_optimizer(kind: str, model: torch.nn.Module, lr: float) -> Union[torch.optim.Optimizer, _Optimizers]:
+    """The training loop's optimizer for ``kind``: the one optimizer, or several stepped as one."""
+    optimizers = _inner_optimizers(kind, model, lr)
+    return optimizers[0] if len(optimizers) == 1 else _Optimizers(optimizers)
+
+
 def _timed_hook(hook: Callable, timer: _IntervalTimer) -> Callable:
     """Wrap a DDP comm hook: record the interval from its call to the completion of its future."""
 
@@ -304,14 +310,11 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
 
     timer = _IntervalTimer()
     name, kwargs = split_system(name)
-    inner = kwargs.pop("inner", None)  # e.g. diloco:inner=muon (INNER_OPTIMIZERS)
-    if inner is not None:
-        if name != "ddp" and (name in DDP_SYSTEMS or name in ("qadam", "torchft_diloco")):
-            raise ValueError(f"{name}: inner= is supported by ddp and Bagua's algorithms except qadam")
-        optimizers = _inner_optimizers(inner, model, lr)
-        if name == "ddp":
-            ddp = DDP(model)
-            return System(ddp, _Optimizers(optimizers), ddp.no_sync, None, notes=[f"inner optimizer {inner}"])
+    inner_kind = kwargs.pop("inner", None)  # e.g. diloco:inner=muon (INNER_OPTIMIZERS)
+    if inner_kind is not None and name != "ddp" and (name in DDP_SYSTEMS or name in ("qadam", "torchft_diloco")):
+        raise ValueError(f"{name}: inner= is supported by ddp and Bagua's algorithms except qadam")
+    kind = inner_kind or optimizer_kind
+    inner_notes = [f"inner optimizer {inner_kind}"] if inner_kind else []
     if name == "ddp_post_local_sgd":
         return _post_local_sgd(model, optimizer_kind, lr, timer, **kwargs)
     if name == "torchft_diloco":  # an optional peer: torchft's DiLoCo (benchmarks.torchft_peer)
@@ -327,7 +330,7 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
         # torch's powerSGD_hook waits for a collective inside a future callback; on gloo two buckets in flight
         # block both of gloo's worker threads and the step deadlocks, so PowerSGD gets one bucket
         ddp = DDP(model, bucket_cap_mb=1024) if name == "ddp_powersgd" else DDP(model)
-        notes: list[str] = []
+        notes: list[str] = list(inner_notes)
         if name == "ddp":
             timer = None
         elif name == "ddp_fp16":
@@ -346,12 +349,12 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
             state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
             ddp.register_comm_hook(state, _timed_hook(powerSGD_hook.powerSGD_hook, timer))
             notes.append("PowerSGD rank 1, error feedback, one bucket; its 2 vanilla allreduce steps are untimed")
-        return System(ddp, _make_optimizer(optimizer_kind, ddp.parameters(), lr), ddp.no_sync, timer, notes=notes)
+        return System(ddp, _build_optimizer(kind, model, lr), ddp.no_sync, timer, notes=notes)
 
     from bagua.torch_api.algorithms import Algorithm, GlobalAlgorithmRegistry
 
     load_algorithm_modules()
-    notes = []
+    notes = list(inner_notes)
     if name == "qadam":
         from bagua.torch_api.algorithms.q_adam import QAdamOptimizer
 
@@ -359,12 +362,8 @@ def make_system(name: str, model: torch.nn.Module, optimizer_kind: str, lr: floa
                                    warmup_steps=qadam_warmup)
         algorithm = GlobalAlgorithmRegistry.get("qadam")(optimizer, **kwargs)  # e.g. qadam:codec=uint8
         notes.append(f"QAdamOptimizer, warmup_steps={qadam_warmup}")
-    elif inner is not None:
-        optimizer = _Optimizers(optimizers)
-        algorithm = Algorithm.init(name, **kwargs)
-        notes.append(f"inner optimizer {inner}")
     else:
-        optimizer = _make_optimizer(optimizer_kind, model.parameters(), lr)
+        optimizer = _build_optimizer(kind, model, lr)
         algorithm = Algorithm.init(name, **kwargs)
     model = model.with_bagua(optimizer.optimizers if isinstance(optimizer, _Optimizers) else [optimizer],
                              algorithm)
