@@ -1,4 +1,5 @@
-"""The advisor: its pick at the benchmark GPT's twelve link x host settings against the README table, its link fit,
+"""The advisor: its pick at the benchmark GPT's twelve link x host settings against the picks file (which the README's
+table renders), its link fit,
 ``python -m bagua.advise`` under torchrun on loopback, and on 2 emulated hosts (netns-marked: needs root and
 iproute2, skipped otherwise).
 
@@ -11,6 +12,7 @@ the hosts' software stack, 0.73 GB/s per core shared by the hosts on 2 cores), 1
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import json
@@ -29,24 +31,16 @@ GPT_BYTES = 4 * 10_795_008
 COMPUTE_S = {2: 0.70, 4: 1.55, 8: 3.3}
 EFFICIENCY, STACK_BPS_PER_CORE, MESSAGE_LATENCY_S, CORES = 0.95, 0.73e9 * 8, 1.9e-3, 2
 
-# README "Which algorithm for my link": (link, hosts) -> (algorithm, settings, time to target vs DDP)
-STREAMING = 'sync_every=10, outer_lr=1.0, outer_momentum=0.0, compression="uint4", fragments=2, overlap_steps=3'
-WARM = 'sync_every=10, outer_lr=1.0, outer_momentum=0.5, outer_lr_warmup=10, compression="uint4"'
-WARM_NF2 = 'sync_every=10, outer_lr=1.0, outer_momentum=0.5, outer_lr_warmup=10, compression="nf2", block_size=256'
-README_PICKS = {
-    ("unshaped", 2): ("gradient_allreduce", "defaults", 1.05),
-    ("unshaped", 4): ("diloco", WARM, 1.42),
-    ("1gbit", 2): ("decentralized", "hierarchical=False", 1.35),
-    ("1gbit", 4): ("diloco", WARM, 1.66),
-    ("100mbit", 2): ("diloco", STREAMING, 5.95),
-    ("100mbit", 4): ("diloco", WARM, 5.57),
-    ("10mbit", 2): ("diloco", STREAMING, 52.5),
-    ("10mbit", 4): ("diloco", WARM_NF2, 29.7),
-    ("unshaped", 8): ("diloco", WARM, 1.58),
-    ("1gbit", 8): ("diloco", WARM, 1.78),
-    ("100mbit", 8): ("diloco", WARM, 3.75),
-    ("10mbit", 8): ("diloco", WARM, 24.8),
-}
+# The one picks file (what the README's "Which algorithm for my link" table renders): (link, hosts) -> (algorithm,
+# settings, time to target vs DDP), read here on its own, not through bagua.advise.table
+PICKS_PATH = os.path.join(ROOT, "bagua", "advise", "picks.json")
+with open(PICKS_PATH, encoding="utf-8") as _f:
+    PICKS = json.load(_f)
+LINK_KEYS = {"unshaped": "unshaped", "1 Gbit/s": "1gbit", "100 Mbit/s": "100mbit", "10 Mbit/s": "10mbit"}
+README_PICKS = {(LINK_KEYS[row["link"]], row["hosts"]):
+                (row["algorithm"], row["settings"].format(**PICKS["presets"]), row["vs_ddp"])
+                for row in PICKS["rows"]}
+STREAMING = PICKS["presets"]["streaming"]
 RATES = {"unshaped": None, "1gbit": 1e9, "100mbit": 1e8, "10mbit": 1e7}
 LINKS = {"unshaped": "unshaped", "1gbit": "1 Gbit/s", "100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s"}
 
@@ -72,6 +66,41 @@ def test_recommend_picks_the_readme_pick_for_the_gpt(link, hosts):
     assert rec.ratio == pytest.approx((buckets * latency + wire) / COMPUTE_S[hosts], rel=1e-9)
     assert rec.row.hosts == hosts and rec.row.link == LINKS[link]
     assert any(rec.row.link in line for line in rec.reasoning)
+
+
+def _kwargs(settings: str) -> dict:
+    """The keyword arguments of a settings string ("defaults": none), parsed as a call's arguments."""
+    if settings == "defaults":
+        return {}
+    call = ast.parse(f"f({settings})", mode="eval").body
+    assert not call.args, settings
+    return {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+
+
+def test_picks_file_has_twelve_rows_whose_settings_build_their_algorithm():
+    from bagua.torch_api.algorithms import Algorithm
+
+    assert sorted(README_PICKS) == sorted((link, hosts) for link in LINK_KEYS.values() for hosts in (2, 4, 8))
+    for algorithm, settings, _ in README_PICKS.values():
+        Algorithm.init(algorithm, **_kwargs(settings))  # a stale keyword raises TypeError here
+    for row in PICKS["rows"]:
+        path, _, anchor = row["evidence"].partition("#")
+        assert os.path.isfile(os.path.join(ROOT, path)) and anchor, row["evidence"]
+
+
+def test_readme_table_is_the_rendering_of_the_picks_file():
+    from bagua.advise.table import TABLE_BEGIN, TABLE_END, render_markdown
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    assert TABLE_BEGIN in readme and TABLE_END in readme, "README.md lost the picks table's markers"
+    table = readme.split(TABLE_BEGIN, 1)[1].split(TABLE_END, 1)[0].strip("\n") + "\n"
+    assert table == render_markdown(), "README's table differs: run python -m bagua.advise.render --update README.md"
+    # every row of the file is in it, with its settings string and figure, read from the file here
+    for (link, hosts), (_, settings, vs_ddp) in README_PICKS.items():
+        shown = "defaults" if settings == "defaults" else f"`{settings}`"
+        assert any(f"| {hosts} |" in line and shown in line and f"**{vs_ddp:g}x**" in line
+                   for line in table.splitlines()), (link, hosts)
 
 
 def test_recommend_says_when_it_extrapolates_and_refuses_one_host():

@@ -76,6 +76,7 @@ def test_wheel_has_no_benchmarks_or_campaigns(wheel_names):
 @pytest.mark.parametrize("path", [
     "bagua/torch_api/comm/", "bagua/torch_api/codecs/", "bagua/torch_api/ops/", "bagua/version.py",
     "bagua/script/baguarun.py", "bagua/torch_api/data_parallel/functional.py", "lightning_bagua/__init__.py",
+    "bagua/advise/picks.json",
 ])
 def test_wheel_has_the_library(wheel_names, path):
     assert any(n.startswith(path) for n in wheel_names), path
