@@ -1,4 +1,5 @@
-"""No two bagua modules import each other (tools/import_cycles.py), and the checker finds a circle when one exists."""
+"""No import circles among bagua modules, no package imports another's private module (tools/import_cycles.py),
+and the checker finds both when they exist."""
 
 import pathlib
 import sys
@@ -6,19 +7,59 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from import_cycles import cycles  # noqa: E402
+from import_cycles import cycles, private_imports  # noqa: E402
 
 
-def test_no_two_bagua_modules_import_each_other():
+def _package(tmp_path, files):
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path / "pkg"
+
+
+def test_bagua_has_no_import_circle():
     assert cycles(ROOT / "bagua") == []
 
 
-def test_the_checker_sees_deferred_and_relative_imports_but_not_type_checking_ones(tmp_path):
-    pkg = tmp_path / "pkg"
-    pkg.mkdir()
-    (pkg / "__init__.py").write_text("from pkg import a\n")
-    (pkg / "a.py").write_text("def f():\n    from pkg.b import g\n")  # deferred: still a circle
-    (pkg / "b.py").write_text("from . import a\n\ndef g():\n    pass\n")
-    (pkg / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.d import x\n")
-    (pkg / "d.py").write_text("import pkg.c\nx = 1\n")
-    assert cycles(pkg) == [("pkg.a", "pkg.b")]
+def test_a_circle_behind_type_checking_is_found(tmp_path):
+    pkg = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.d import x\n",
+        "pkg/d.py": "import pkg.c\nx = 1\n",
+    })
+    assert cycles(pkg) == [["pkg.c", "pkg.d"]]
+
+
+def test_a_long_circle_is_found_whole_with_deferred_and_relative_imports(tmp_path):
+    pkg = _package(tmp_path, {
+        "pkg/__init__.py": "from pkg import a, b, c, free\n",  # re-exporting its own submodules: no circle
+        "pkg/a.py": "def f():\n    from pkg.b import g\n",  # deferred: still an edge
+        "pkg/b.py": "from .c import h\n\ndef g():\n    pass\n",
+        "pkg/c.py": "from pkg import a\n\ndef h():\n    pass\n",  # `from pkg import module`: an edge to pkg.a
+        "pkg/free.py": "from pkg.a import f\n",  # imports into the circle, is not part of it
+    })
+    assert cycles(pkg) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def test_a_package_re_exporting_its_submodules_is_no_circle(tmp_path):
+    pkg = _package(tmp_path, {
+        "pkg/__init__.py": "from pkg.sub import thing\n",
+        "pkg/sub/__init__.py": "from pkg.sub.leaf import thing\n",
+        "pkg/sub/leaf.py": "import pkg.other\nthing = 1\n",
+        "pkg/other.py": "x = 2\n",
+    })
+    assert cycles(pkg) == []
+
+
+def test_a_private_module_imported_from_another_package_is_found(tmp_path):
+    pkg = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/inner/__init__.py": "from pkg.inner import _impl\n",  # its own package: fine
+        "pkg/inner/_impl.py": "x = 1\n",
+        "pkg/inner/deeper/__init__.py": "from pkg.inner._impl import x\n",  # a subpackage of the owner: fine
+        "pkg/outer.py": "from pkg.inner import _impl\n",
+        "pkg/other/__init__.py": "",
+        "pkg/other/user.py": "from pkg.inner._impl import x\n",
+    })
+    assert private_imports(pkg) == [("pkg.other.user", "pkg.inner._impl"), ("pkg.outer", "pkg.inner._impl")]

@@ -1,8 +1,12 @@
-"""List the pairs of bagua modules that import each other (two-file import circles).
+"""List the import circles among bagua modules, and imports of another package's private module.
 
-Every ``import`` counts, at module level or inside a function (a deferred import hides a circle from Python, not
-from the reader), except those under ``if TYPE_CHECKING:``, which never run. A package and its own submodules are
-not a circle (``__init__`` re-exports them).
+A circle is a strongly connected component of the module import graph with more than one module: modules that
+reach each other through imports, however long the loop. Every ``import`` counts: at module level, inside a
+function (a deferred import hides a circle from Python, not from the reader) and under ``if TYPE_CHECKING:`` (a
+type annotation ties two layers as firmly as a call). A package's ``__init__`` importing its own submodules is
+not an edge (it only re-exports them), and ``from pkg import module`` is an edge to the module, not to ``pkg``.
+
+A private module (``_name.py``) belongs to its package: importing it from another package is reported too.
 
 Usage::
 
@@ -10,8 +14,9 @@ Usage::
 
 Example:
     >>> import pathlib
-    >>> cycles(pathlib.Path(__file__).resolve().parent.parent / "bagua")
-    []
+    >>> root = pathlib.Path(__file__).resolve().parent.parent / "bagua"
+    >>> cycles(root), private_imports(root)
+    ([], [])
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import ast
 import pathlib
 import sys
 
-__all__ = ["module_imports", "cycles"]
+__all__ = ["module_imports", "import_graph", "cycles", "private_imports"]
 
 
 def _module_names(package: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -32,16 +37,11 @@ def _module_names(package: pathlib.Path) -> dict[str, pathlib.Path]:
 
 
 def module_imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
-    """The modules of ``known`` that the module ``name`` (file ``path``) imports, other than itself."""
+    """Return the modules of ``known`` that the module ``name`` (file ``path``) imports, other than itself."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    skipped = {id(node) for branch in ast.walk(tree)
-               if isinstance(branch, ast.If) and "TYPE_CHECKING" in ast.unparse(branch.test)
-               for node in ast.walk(branch)}
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -50,22 +50,87 @@ def module_imports(path: pathlib.Path, name: str, known: set[str]) -> set[str]:
                 parts = package.split(".")
                 parts = parts[: len(parts) - node.level + 1]
                 base = ".".join(parts + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+            submodules = {f"{base}.{alias.name}" for alias in node.names} & known  # `from pkg import module`
+            found.update(submodules)
+            if len(submodules) < len(node.names):  # some names are the package's own
+                found.add(base)
     return {m for m in found if m in known and m != name}
 
 
-def cycles(package: pathlib.Path) -> list[tuple[str, str]]:
-    """The pairs ``(a, b)``, ``a < b``, of modules under ``package`` that import each other."""
+def import_graph(package: pathlib.Path) -> dict[str, set[str]]:
+    """Map each module under ``package`` to the modules it imports, less a package's edges to its own submodules."""
     names = _module_names(package)
     graph = {name: module_imports(path, name, set(names)) for name, path in names.items()}
-    pairs = {tuple(sorted((a, b))) for a in graph for b in graph[a] if a in graph[b]}
-    return sorted((a, b) for a, b in pairs if not (b.startswith(a + ".") or a.startswith(b + ".")))
+    is_package = {name for name, path in names.items() if path.name == "__init__.py"}
+    return {a: {b for b in targets if not (a in is_package and b.startswith(a + "."))} for a, targets in graph.items()}
+
+
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative: the components of ``graph``, each a sorted list of its nodes."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                components.append(sorted(component))
+    return components
+
+
+def cycles(package: pathlib.Path) -> list[list[str]]:
+    """Return the import circles under ``package``: each a sorted list of the modules that reach one another."""
+    return sorted(c for c in _strongly_connected(import_graph(package)) if len(c) > 1)
+
+
+def private_imports(package: pathlib.Path) -> list[tuple[str, str]]:
+    """Return the pairs ``(importer, private module)`` where a module imports another package's ``_module``."""
+    names = _module_names(package)
+    found = []
+    for importer, targets in import_graph(package).items():
+        importer_package = importer if names[importer].name == "__init__.py" else importer.rpartition(".")[0]
+        for target in targets:
+            owner, _, leaf = target.rpartition(".")
+            if leaf.startswith("_") and not leaf.startswith("__") and not (
+                importer_package == owner or importer_package.startswith(owner + ".")
+            ):
+                found.append((importer, target))
+    return sorted(found)
 
 
 if __name__ == "__main__":
     root = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else pathlib.Path(__file__).resolve().parent.parent / "bagua"
-    found = cycles(root)
-    for a, b in found:
-        print(f"{a} <-> {b}")
-    sys.exit(1 if found else 0)
+    circles, private = cycles(root), private_imports(root)
+    for circle in circles:
+        print("circle: " + " <-> ".join(circle))
+    for importer, target in private:
+        print(f"private: {importer} imports {target}")
+    sys.exit(1 if circles or private else 0)

@@ -12,6 +12,9 @@ lifecycle methods, which keep the original Bagua names so that user-written algo
    ``init_post_optimizer_step_hook`` return the functions run at each moment of a step;
 5. ``need_reset()`` asks, before every training forward, to run 1-4 again (e.g. at the end of a warmup).
 
+The lifecycle methods see the engine as an :class:`~bagua.torch_api.interfaces.Engine`, a small declared
+interface, so that this layer never imports the engine that imports it.
+
 Example:
     >>> Algorithm.init("gradient_allreduce", hierarchical=False)
     GradientAllReduceAlgorithm(hierarchical=False, average=True)
@@ -21,16 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
+from bagua.torch_api.interfaces import Engine
 from bagua.torch_api.tensor import BaguaTensor, grad_tensor
-
-if TYPE_CHECKING:
-    from bagua.torch_api.data_parallel.bagua_distributed import BaguaDistributedDataParallel
 
 __all__ = ["Algorithm", "AlgorithmImpl", "GlobalAlgorithmRegistry"]
 
@@ -149,7 +150,7 @@ class AlgorithmImpl:
         """Return True to re-run the whole initialization before this training step (checked every forward)."""
         return False
 
-    def init_tensors(self, bagua_ddp: "BaguaDistributedDataParallel") -> list[BaguaTensor]:
+    def init_tensors(self, bagua_ddp: Engine) -> list[BaguaTensor]:
         """Return the tensors to communicate: each trainable parameter's gradient, in reverse order."""
         module_name = bagua_ddp.bagua_module_name
         return [
@@ -161,14 +162,14 @@ class AlgorithmImpl:
         """Turn the suggested tensor groups into buckets named by their index."""
         return [BaguaBucket(group, name=str(i), flatten=do_flatten) for i, group in enumerate(tensors)]
 
-    def init_operations(self, bagua_ddp: "BaguaDistributedDataParallel", bucket: BaguaBucket) -> None:
+    def init_operations(self, bagua_ddp: Engine, bucket: BaguaBucket) -> None:
         """Append ``bucket``'s operations (none by default)."""
 
-    def init_forward_pre_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[Any], None]:
+    def init_forward_pre_hook(self, bagua_ddp: Engine) -> Callable[[Any], None]:
         """Return ``fn(inputs)`` run before every training forward."""
         return lambda inputs: None
 
-    def init_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[str, torch.Tensor], None]:
+    def init_backward_hook(self, bagua_ddp: Engine) -> Callable[[str, torch.Tensor], None]:
         """Return ``fn(name, param)`` run when a parameter's gradient is accumulated; default: mark it ready."""
 
         def hook(name: str, param: torch.Tensor) -> None:
@@ -176,7 +177,7 @@ class AlgorithmImpl:
 
         return hook
 
-    def init_post_backward_hook(self, bagua_ddp: "BaguaDistributedDataParallel") -> Callable[[], None]:
+    def init_post_backward_hook(self, bagua_ddp: Engine) -> Callable[[], None]:
         """Return ``fn()`` run at the end of backward; default: launch what is left and wait for it all."""
 
         def hook() -> None:
@@ -186,7 +187,7 @@ class AlgorithmImpl:
         return hook
 
     def init_post_optimizer_step_hook(
-        self, bagua_ddp: "BaguaDistributedDataParallel"
+        self, bagua_ddp: Engine
     ) -> Callable[[torch.optim.Optimizer], None]:
         """Return ``fn(optimizer)`` run after every ``optimizer.step()``."""
         return lambda optimizer: None

@@ -28,7 +28,7 @@ Example:
 from __future__ import annotations
 
 import zlib
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,9 +50,7 @@ from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGr
 from bagua.torch_api.codecs.residuals import ErrorFeedbackResiduals
 from bagua.torch_api.codecs.scatter_reduce_gather import SegmentCodec, Wait, scatter_reduce_gather
 from bagua.torch_api.codecs.scatter_reduce_gather import post_receives_first as _post_receives_first
-
-if TYPE_CHECKING:  # bucket.py imports this module through compressed_bucket_op
-    from bagua.torch_api.bucket import BaguaBucket
+from bagua.torch_api.interfaces import Bucket
 
 __all__ = [
     "SEGMENT",
@@ -299,7 +297,7 @@ def low_precision_allreduce_inplace(
     return (gathered is not None and gathered.decodes_finite()) or all_finite(flat)
 
 
-def bucket_tag(bucket: BaguaBucket, group: Optional[BaguaProcessGroup] = None) -> int:
+def bucket_tag(bucket: Bucket, group: Optional[BaguaProcessGroup] = None) -> int:
     """A point-to-point tag of the bucket in ``group``, the same on every rank (groups and buckets are named alike
     everywhere): the group's name (an engine's private group is named after the engine) and the bucket's."""
     key = f"{group.group_name if group is not None else ''}/{bucket.name}"

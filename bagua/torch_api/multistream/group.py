@@ -5,7 +5,7 @@ Part of :mod:`bagua.torch_api.multistream` (its docstring says when and how to t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Protocol, Union
 
 import torch
 import torch.distributed as dist
@@ -15,10 +15,8 @@ from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.comm.reduce_op import _finish_avg, _reduce_op
 
-if TYPE_CHECKING:
-    from bagua.torch_api.multistream.choice import StreamChooser
+__all__ = ["DEFAULT_NUM_STREAMS", "DEFAULT_MIN_CHUNK_BYTES", "Comm", "IterationClock", "MultiStreamGroup"]
 
-__all__ = ["DEFAULT_NUM_STREAMS", "DEFAULT_MIN_CHUNK_BYTES", "Comm", "MultiStreamGroup"]
 
 #: Streams created by :func:`enable` when none is given (:func:`calibrate` then keeps 1, 2 or 4). With a per-flow
 #: cap, 4 streams gave the most on the emulated hosts (docs/tcp_tuning.md); Bagua-Net's own default was 2.
@@ -28,6 +26,14 @@ DEFAULT_NUM_STREAMS = 4
 DEFAULT_MIN_CHUNK_BYTES = 1 << 20
 
 Comm = Union[BaguaCommunicator, BaguaProcessGroup, dist.ProcessGroup, None]
+
+
+class IterationClock(Protocol):
+    """What a group's ``chooser`` is to the DDP hook: told of every training iteration (a
+    :class:`~bagua.torch_api.multistream.choice.StreamChooser`, which sets the group's stream count)."""
+
+    def on_iteration(self) -> None:
+        """Note that a training iteration begins."""
 
 
 def _torch_group_and_ranks(group: Comm) -> tuple[Optional[dist.ProcessGroup], list[int]]:
@@ -86,7 +92,7 @@ class MultiStreamGroup:
         extra = [dist.new_group(ranks) for _ in range(max_streams - 1)]
         self.groups: list[Optional[dist.ProcessGroup]] = [base] + extra if base is not None else []
         self._num_streams = max_streams
-        self.chooser: Optional[StreamChooser] = None
+        self.chooser: Optional[IterationClock] = None
         # stats
         self.calls = 0
         self.split_calls = 0

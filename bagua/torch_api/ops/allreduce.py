@@ -7,8 +7,6 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 
@@ -18,9 +16,7 @@ from bagua.torch_api.comm import hierarchy
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.ops.base import AsyncHandle, BucketOp
-
-if TYPE_CHECKING:  # bucket.py imports this module
-    from bagua.torch_api.bucket import BaguaBucket
+from bagua.torch_api.interfaces import Bucket
 
 __all__ = ["CentralizedFullPrecisionOp", "centralized_full_precision_op"]
 
@@ -42,10 +38,10 @@ class CentralizedFullPrecisionOp(BucketOp):
         self.op = ReduceOp.AVG if average else ReduceOp.SUM
         self.launches_async = not hierarchical and not scattergather
 
-    def __call__(self, bucket: BaguaBucket, flat: torch.Tensor) -> None:
+    def __call__(self, bucket: Bucket, flat: torch.Tensor) -> None:
         hierarchy.run_hierarchically(self.group, self.hierarchical, flat, self._allreduce, self.average)
 
-    def launch_async(self, bucket: BaguaBucket, flat: torch.Tensor) -> AsyncHandle:
+    def launch_async(self, bucket: Bucket, flat: torch.Tensor) -> AsyncHandle:
         """Start the allreduce as one collective and return its handle."""
         # The flat, unsplit case is one collective: start it from the caller's thread and let the backend run it
         # (gloo's own threads, NCCL's stream) instead of handing it to Bagua's communication thread.

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import abc
 import datetime
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # bucket.py imports this module
-    from bagua.torch_api.bucket import BaguaBucket
+from bagua.torch_api.interfaces import Bucket
 
 __all__ = ["AsyncHandle", "BucketOp", "FunctionOp"]
 
@@ -63,10 +62,10 @@ class BucketOp(abc.ABC):
     launches_async: bool = False
 
     @abc.abstractmethod
-    def __call__(self, bucket: BaguaBucket, flat: torch.Tensor) -> None:
+    def __call__(self, bucket: Bucket, flat: torch.Tensor) -> None:
         """Run the operation on ``flat``, the bucket's flat tensor."""
 
-    def launch_async(self, bucket: BaguaBucket, flat: torch.Tensor) -> AsyncHandle:
+    def launch_async(self, bucket: Bucket, flat: torch.Tensor) -> AsyncHandle:
         """Start the operation as one collective and return its handle (only when :attr:`launches_async`)."""
         raise NotImplementedError(f"{type(self).__name__} has no asynchronous launch")
 
@@ -92,7 +91,7 @@ class FunctionOp(BucketOp):
     def __init__(self, fn: Callable[[Any, torch.Tensor], Any]) -> None:
         self.fn = fn
 
-    def __call__(self, bucket: BaguaBucket, flat: torch.Tensor) -> None:
+    def __call__(self, bucket: Bucket, flat: torch.Tensor) -> None:
         self.fn(bucket, flat)
 
     def __repr__(self) -> str:

@@ -20,7 +20,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 from bagua.torch_api.comm import hierarchy
@@ -29,9 +29,7 @@ from bagua.torch_api.codecs.compressed_allreduce import Workspace, all_finite, b
 from bagua.torch_api.codecs.workspace import AnyWorkspace, compressed_allreduce_inplace, make_workspace
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.ops.base import BucketOp
-
-if TYPE_CHECKING:  # bucket.py imports this module (its MinMaxUInt8 op)
-    from bagua.torch_api.bucket import BaguaBucket
+from bagua.torch_api.interfaces import Bucket
 
 __all__ = ["CODECS", "CentralizedLowPrecisionOp", "check_codec", "centralized_low_precision_op"]
 
@@ -100,7 +98,7 @@ class CentralizedLowPrecisionOp(BucketOp):
         self._workspaces: dict[tuple, AnyWorkspace] = {}
         self._loaded: dict[str, torch.Tensor] = {}  # residuals from a checkpoint, for workspaces not yet built
 
-    def _workspace_for(self, bucket: BaguaBucket, flat: torch.Tensor, c: BaguaCommunicator) -> AnyWorkspace:
+    def _workspace_for(self, bucket: Bucket, flat: torch.Tensor, c: BaguaCommunicator) -> AnyWorkspace:
         key = (bucket.name, flat.numel(), flat.dtype, flat.device, tuple(c.ranks))
         ws = self._workspaces.get(key)
         if ws is None:
@@ -113,7 +111,7 @@ class CentralizedLowPrecisionOp(BucketOp):
             self._load_residuals(ws)
         return ws
 
-    def __call__(self, bucket: BaguaBucket, flat: torch.Tensor) -> None:
+    def __call__(self, bucket: Bucket, flat: torch.Tensor) -> None:
         group = self.group
         verdict: list[Optional[bool]] = [None]
         tag = bucket_tag(bucket, group)
@@ -135,7 +133,7 @@ class CentralizedLowPrecisionOp(BucketOp):
         if self.on_finite is not None:
             self.on_finite(bucket.name, all_finite(flat) if finite is None else finite)
 
-    def _exchange(self, bucket: BaguaBucket, t: torch.Tensor, c: BaguaCommunicator, scale: Optional[float],
+    def _exchange(self, bucket: Bucket, t: torch.Tensor, c: BaguaCommunicator, scale: Optional[float],
                   flat_mode: bool, tag: int) -> Optional[bool]:
         """Allreduce ``t`` over ``c`` with the codec; return the chunk codec's finite verdict (else ``None``)."""
         ws = self._workspace_for(bucket, t, c)

@@ -6,12 +6,11 @@ Part of :mod:`bagua.torch_api.contrib.fuse.layout` (its docstring defines *segme
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-if TYPE_CHECKING:
-    from bagua.torch_api.contrib.fuse.layout import Segment
+from bagua.torch_api.contrib.fuse.segment import Segment
 
 __all__ = ["install_grads", "copy_ranges", "copy_grads", "copy_many"]
 

@@ -14,63 +14,26 @@ Words used here and in :mod:`bagua.torch_api.contrib.fuse.optimizer` and :mod:`b
 
 Flat buffers are allocated by :func:`flat_buffer` (:mod:`bagua.torch_api.contrib.fuse.buffers`, on huge pages
 where Linux allows) and gradients are copied in by :func:`install_grads` (:mod:`bagua.torch_api.contrib.fuse.grads`);
-both modules' names are re-exported here.
+the :class:`Segment` record lives in :mod:`bagua.torch_api.contrib.fuse.segment`, below both; their names are
+re-exported here.
 
 Everything here is plain tensor bookkeeping; the decision of what to step together lives in ``fuser.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Hashable, Optional
 
 import torch
 
 from bagua.torch_api.contrib.fuse.buffers import HUGE_PAGES_MIN_BYTES, flat_buffer, huge_pages_enabled
 from bagua.torch_api.contrib.fuse.grads import copy_grads, copy_many, copy_ranges, install_grads
+from bagua.torch_api.contrib.fuse.segment import Segment
 
 __all__ = ["Segment", "fits_flat", "adjacent", "mutual_runs", "flatten_params", "find_segments", "adopt",
            "install_grads", "copy_ranges", "copy_grads", "copy_many", "state_buffer", "flat_buffer",
            "scalar_to_param_device",
            "huge_pages_enabled", "HUGE_PAGES_MIN_BYTES"]
-
-
-@dataclass(eq=False)
-class Segment:
-    """Parameters of one group, dtype and device that share flat buffers at the same offsets.
-
-    Fields, grouped:
-        layout: ``params``, ``offsets`` (``len(params) + 1`` element offsets), ``owned``, ``flat_param``,
-        ``flat_grad``, ``flat_state``, ``scalar_state``.
-        expected objects (checked by identity every step): ``grad_views``, ``param_ptrs``, ``state_views``,
-        ``scalar_views``; ``installed[i]`` says whether ``params[i].grad`` was ever pointed at the flat gradient,
-        ``grad_ids[i]`` is the ``id`` of the gradient last copied in without being re-pointed (see
-        :func:`install_grads`).
-        copying all gradients in: ``copy_ranges`` (see :func:`copy_ranges`).
-        per-parameter verdict: ``eligible[i]`` is False when the parameter's state cannot live in the flat
-        buffers (state of another shape, dtype or device); such parameters are stepped on their own.
-    """
-
-    params: list[torch.Tensor]
-    offsets: list[int]
-    owned: bool
-    flat_param: torch.Tensor
-    flat_grad: torch.Tensor
-    flat_state: dict[Hashable, torch.Tensor] = field(default_factory=dict)
-    scalar_state: dict[Hashable, torch.Tensor] = field(default_factory=dict)
-    grad_views: list[torch.Tensor] = field(default_factory=list)
-    param_ptrs: list[int] = field(default_factory=list)
-    state_views: dict[Hashable, list[Optional[torch.Tensor]]] = field(default_factory=dict)
-    scalar_views: dict[Hashable, list[Optional[torch.Tensor]]] = field(default_factory=dict)
-    installed: list[bool] = field(default_factory=list)
-    grad_ids: list[int] = field(default_factory=list)
-    copy_ranges: list[tuple[int, int, Optional[torch.Tensor]]] = field(default_factory=list)
-    eligible: list[bool] = field(default_factory=list)
-
-    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:
-        """Return the view of ``flat`` that belongs to ``params[i]``, shaped like it."""
-        a, b = self.offsets[i], self.offsets[i + 1]
-        return flat[a:b].view(self.params[i].shape)
 
 
 def fits_flat(p: torch.Tensor) -> bool:
