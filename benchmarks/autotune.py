@@ -10,9 +10,9 @@ gradient allreduce. Three runs on the same shaped link:
 
 The goal: TPE's best within 5 % of the sweep's best, and the gain over the default. Run as root:
 
-    .venv/bin/python benchmarks/autotune.py --rate 1gbit --out docs/results/autotune.json
+    .venv/bin/python benchmarks/autotune.py --rate 1gbit --out docs/log/results/autotune.json
 
-The CSV logs and plots of both tunes are written next to ``--out``; ``--replot docs/results/autotune.json``
+The CSV logs and plots of both tunes are written next to ``--out``; ``--replot docs/log/results/autotune.json``
 re-renders the plots from them without measuring anything. ``--streams 4`` also enables the
 multistream allreduce and lets autotune choose 1, 2 or 4 streams; with a per-connection cap (``--rate
 10gbit@2gbit``, see benchmarks/tcp_tuning.py) that is where streams pay.

@@ -10,7 +10,7 @@ sizes, for every ``--block-sizes``, round-robin with MinMaxUInt8 on the same ten
 load: ``vs mm`` is MinMaxUInt8's time over the codec's (encode against encode, decode against decode,
 decode-and-add against decode-sum; above 1 is faster), then the wire bytes per element. Run:
 
-    .venv/bin/python benchmarks/codec.py --out docs/results/codec.json
+    .venv/bin/python benchmarks/codec.py --out docs/log/results/codec.json
 
 Allocations dominate the plain formula on Linux unless the allocator keeps freed memory (the launcher's
 ``MALLOC_*`` settings, ``bagua.torch_api.env.ALLOCATOR_ENV``); set them for a fair comparison.

@@ -14,7 +14,7 @@ from benchmarks.cost_equations import SHAPES, Fit, Net, Step, codec_passes, pred
 
 __all__ = ["CALIBRATION_FILES", "Case", "load_rows", "row_case", "case_net", "predict_case", "nelder_mead", "calibrate"]
 
-#: The runs the model is calibrated on (docs/results): every system at 2 and 4 hosts. network.json merges the
+#: The runs the model is calibrated on (docs/log/results): every system at 2 and 4 hosts. network.json merges the
 #: first three, so it would only repeat their rows.
 CALIBRATION_FILES = ("network-mlp-2hosts.json", "network-mlp-4hosts.json", "network-digits-2hosts.json",
                      "goals-bytegrad-2hosts.json", "goals-decentralized-4hosts.json")

@@ -21,7 +21,7 @@ The code: the equations in :mod:`benchmarks.cost_equations`, the fit in
 re-exports their names and holds the tables and the command line.
 
 Example:
-    >>> rows = load_rows(["docs/results/network-mlp-2hosts.json"])  # doctest: +SKIP
+    >>> rows = load_rows(["docs/log/results/network-mlp-2hosts.json"])  # doctest: +SKIP
     >>> fit = calibrate(rows)  # doctest: +SKIP
 """
 
@@ -64,7 +64,7 @@ __all__ += [
 def _default_files() -> list[str]:
     import os
 
-    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "results")
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "docs", "log", "results")
     return [os.path.normpath(os.path.join(root, name)) for name in CALIBRATION_FILES]
 
 
@@ -128,7 +128,7 @@ def _print_paper(paper: dict) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> dict:
     """Fit the model on the measured runs, print predicted against measured, and predict the paper's setting."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cost_model", description=main.__doc__)
-    parser.add_argument("files", nargs="*", help="suite JSON files (default: the calibration runs in docs/results)")
+    parser.add_argument("files", nargs="*", help="suite JSON files (default: the calibration runs in docs/log/results)")
     parser.add_argument("--json", metavar="OUT", help="also write the fit, the table and the prediction here")
     parser.add_argument("--paper-compute", action="append", default=[], metavar="MODEL=SECONDS",
                         help="override a paper workload's per-GPU compute step, e.g. vgg16=0.25")

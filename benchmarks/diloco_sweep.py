@@ -14,7 +14,7 @@ by ``P`` (1.0: as fast as DDP per step; 0.8: DDP needs 80 % of the steps for the
     python -m benchmarks.diloco_sweep --hosts 4 --seeds 0 --outer-lr 1.0,1.5,2.0 --momentum 0,0.5 \\
         --sync-every 10 --compression uint4 --steps 200 --out-dir /tmp/sweep
     python -m benchmarks.diloco_sweep --summarize /tmp/sweep \\
-        --reference docs/results/to-target-gpt-4hosts.json --at 100,200 --json /tmp/sweep.json
+        --reference docs/log/results/to-target-gpt-4hosts.json --at 100,200 --json /tmp/sweep.json
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         paths = [p for d in args.summarize for p in sorted(glob.glob(os.path.join(d, "*.json")))]
         if not args.reference:
             raise SystemExit("--summarize needs --reference FILE with DDP's runs (e.g. "
-                             "docs/results/to-target-gpt-4hosts.json)")
+                             "docs/log/results/to-target-gpt-4hosts.json)")
         summary = summarize_rows(_convergence_rows(paths), _convergence_rows(args.reference), args.at)
         _print_table(summary, args.at)
         if args.json:

@@ -62,11 +62,11 @@ def gpu_step_s(model: str, cpu_compute_s: float, overrides: Optional[dict[str, f
 
 
 def load_fit(path: Optional[str] = None) -> Fit:
-    """The cost model's fitted parameters from ``docs/results/cost-model.json`` (written by
+    """The cost model's fitted parameters from ``docs/log/results/cost-model.json`` (written by
     ``python -m benchmarks.cost_model --json``)."""
     if path is None:
         here = os.path.dirname(os.path.abspath(__file__))
-        path = os.path.normpath(os.path.join(here, "..", "docs", "results", "cost-model.json"))
+        path = os.path.normpath(os.path.join(here, "..", "docs", "log", "results", "cost-model.json"))
     try:
         with open(path) as f:
             return Fit(**json.load(f)["fit"])

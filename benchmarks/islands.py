@@ -19,7 +19,7 @@ validation loss against steps, bytes sent per step).
 Example::
 
     sudo python -m benchmarks.islands --rates 100mbit,10mbit --model gpt --warmup 1 --steps 3 \\
-        --out-dir docs/results --name islands-steptime
+        --out-dir docs/log/results --name islands-steptime
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    "synchronous system's steps all cost alike; DiLoCo needs whole sync periods)")
     p.add_argument("--job-timeout", type=float, default=1800.0, help="seconds one run may take")
     p.add_argument("--port", type=int, default=29700, help="first rendezvous port (one per run)")
-    p.add_argument("--out-dir", default="docs/results")
+    p.add_argument("--out-dir", default="docs/log/results")
     p.add_argument("--name", default="islands")
     args, job = p.parse_known_args(argv)
     args.job_args = job

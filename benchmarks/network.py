@@ -19,7 +19,7 @@ combines them.
 Example::
 
     sudo python -m benchmarks.network --hosts 2 --bandwidths unshaped,1gbit,100mbit \\
-        --systems ddp,gradient_allreduce,bytegrad --models mlp --out-dir docs/results --name network-2hosts
+        --systems ddp,gradient_allreduce,bytegrad --models mlp --out-dir docs/log/results --name network-2hosts
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def format_table(rows: list[dict]) -> str:
     text = ["  ".join(c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths)))
             for line in lines]
     text.insert(1, "-" * len(text[0]))
-    text.append("phases in ms per step; ~ = loopback estimate; see docs/benchmarks.md for definitions")
+    text.append("phases in ms per step; ~ = loopback estimate; see docs/benchmarks_method.md for definitions")
     return "\n".join(text)
 
 
@@ -246,7 +246,7 @@ def machine_info() -> dict:
 
 def time_to_target_results(rows: list[dict], meta: dict) -> dict:
     """The time-to-accuracy combination of a ``--to-target`` run (benchmarks.to_target_table): the table,
-    the validations and one recommendation per bandwidth; the GPU column needs docs/results/cost-model.json."""
+    the validations and one recommendation per bandwidth; the GPU column needs docs/log/results/cost-model.json."""
     from benchmarks import gpu_mapping
     try:
         fit = gpu_mapping.load_fit()
@@ -355,7 +355,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     """``python -m benchmarks.report A.json B.json --out-dir D --name N``: merge runs into one table,
     JSON, CSV and plot (speedups stay relative to the DDP run of the same file and configuration).
 
-    ``python -m benchmarks.report docs/results/X.json`` (no ``--name``) re-renders ``X.png`` (and, for a
+    ``python -m benchmarks.report docs/log/results/X.json`` (no ``--name``) re-renders ``X.png`` (and, for a
     ``--to-target`` run, ``X-table.md``, ``X-to-target.png`` and, when some system reached the target,
     ``X-vs-bandwidth.png``) from the results already
     in ``X.json``, and writes nothing else: no benchmark is run again (a table whose wording changed, say).

@@ -15,7 +15,7 @@ have connected, the driver lists each host's TCP connections (``ss``) and gives 
 
 Run as root:
 
-    .venv/bin/python benchmarks/tcp_tuning.py --rates unshaped,10gbit,1gbit --out docs/results/tcp_tuning.json
+    .venv/bin/python benchmarks/tcp_tuning.py --rates unshaped,10gbit,1gbit --out docs/log/results/tcp_tuning.json
 
 Without root it runs the same on loopback, unshaped only (and says so).
 """

@@ -52,7 +52,7 @@ class Defaults:
 
 #: gpt: the validation loss DDP on 2 hosts reaches at step 500 (2.42 at 450, 2.38 at 500, on 64 windows), well
 #: past the unigram plateau (3.25), evaluated every 50 steps (under 5 % of a run); resnet: test accuracy first
-#: reached at step 70, its curve saturates by step 140 (docs/benchmarks.md, "Targets").
+#: reached at step 70, its curve saturates by step 140 (docs/benchmarks_method.md, "Targets").
 DEFAULTS: dict[str, Defaults] = {
     "gpt": Defaults(target=2.40, eval_every=50, eval_samples=64, max_steps=1500),
     "resnet": Defaults(target=0.98, eval_every=10, eval_samples=0, max_steps=2000),

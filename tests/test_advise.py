@@ -4,10 +4,10 @@ table renders), its link fit,
 iproute2, skipped otherwise).
 
 The inputs of the twelve settings are derived here from the links themselves, not read from the advisor's table:
-the GPT's 10,795,008 fp32 parameters, its measured compute step (docs/results/to-target-gpt-{2,4,8}hosts.json:
+the GPT's 10,795,008 fp32 parameters, its measured compute step (docs/log/results/to-target-gpt-{2,4,8}hosts.json:
 0.70 s at 2 hosts, 1.55 s at 4 hosts of half a core, 3.3 s at 8 of a quarter), the link's rate times the cost model's TCP efficiency 0.95 (unshaped:
 the hosts' software stack, 0.73 GB/s per core shared by the hosts on 2 cores), 1.9 ms per ring message
-(docs/results/cost-model.json).
+(docs/log/results/cost-model.json).
 """
 
 from __future__ import annotations
