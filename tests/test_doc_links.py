@@ -2,7 +2,8 @@
 names a heading (GitHub's slug, duplicates numbered) or an ``<a id>`` of the page it points to.
 
 Links inside fenced code blocks and inline code are not links; ``http(s)://`` and ``mailto:`` links are not checked
-(no network here).
+(no network here). Also: README.md stays at most 150 lines with the which-algorithm table in its first 80, its
+Layout names every package, and the summary pages (docs/benchmarks.md, docs/algorithms/diloco.md) stay summaries.
 """
 
 from __future__ import annotations
@@ -88,3 +89,32 @@ def test_the_checker_finds_what_is_broken(tmp_path):
 @pytest.mark.parametrize("page", [os.path.relpath(p, ROOT) for p in PAGES])
 def test_every_relative_link_resolves(page):
     assert broken_links(os.path.join(ROOT, page)) == []
+
+
+def _readme() -> str:
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        return f.read()
+
+
+def test_readme_is_short_with_the_picks_table_early():
+    lines = _readme().splitlines()
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; move detail to docs/ (at most 150)"
+    table = next(i for i, line in enumerate(lines) if line.startswith("| link (the GPU setting"))
+    assert table < 80, f"the which-algorithm table starts at line {table + 1}; keep it in the first 80"
+
+
+def test_readme_layout_names_every_package():
+    layout = _readme().split("## Layout", 1)[1].split("```")[1]
+    packages = [os.path.dirname(p) for p in glob.glob(os.path.join(ROOT, "bagua", "*", "__init__.py"))
+                + glob.glob(os.path.join(ROOT, "bagua", "torch_api", "*", "__init__.py"))
+                + glob.glob(os.path.join(ROOT, "lightning_bagua", "__init__.py"))]
+    folders = [os.path.join(ROOT, name) for name in ("benchmarks", "examples", "tools", "tests")]
+    missing = [os.path.relpath(p, ROOT) for p in packages + folders if os.path.basename(p) + "/" not in layout]
+    assert not missing, f"README.md's Layout does not name {missing}"
+
+
+@pytest.mark.parametrize("page, most", [("docs/benchmarks.md", 200), ("docs/algorithms/diloco.md", 250)])
+def test_summary_pages_stay_summaries(page, most):
+    with open(os.path.join(ROOT, page), encoding="utf-8") as f:
+        n = len(f.read().splitlines())
+    assert n <= most, f"{page} has {n} lines (at most {most}): dated campaigns belong in docs/log/"
