@@ -22,6 +22,10 @@ def test_bagua_has_no_import_circle():
     assert cycles(ROOT / "bagua") == []
 
 
+def test_no_bagua_package_imports_another_packages_private_module():
+    assert private_imports(ROOT / "bagua") == []
+
+
 def test_a_circle_behind_type_checking_is_found(tmp_path):
     pkg = _package(tmp_path, {
         "pkg/__init__.py": "",

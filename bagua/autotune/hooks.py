@@ -19,7 +19,7 @@ from bagua.autotune.controller import AutotuneController
 from bagua.autotune.settings import TuneSettings
 from bagua.autotune.tuner import TuneSpace
 from bagua.torch_api import communication, env, multistream
-from bagua.torch_api.data_parallel._comm_plane import is_engine
+from bagua.torch_api.interfaces import Engine
 
 __all__ = ["attach", "choose_streams", "detach", "get_controller", "on_wrap"]
 
@@ -33,7 +33,7 @@ def _engine(model: Any) -> Any:
         engine = getattr(model, attr, None)
         if engine is not None:
             return engine
-    if is_engine(model):
+    if isinstance(model, Engine):
         return model
     raise ValueError(f"{type(model).__name__} is not wrapped by Bagua: call model.with_bagua(optimizers, algorithm) "
                      "before bagua.autotune.attach(model)")

@@ -40,7 +40,7 @@ try:
 except ImportError as exc:  # pragma: no cover - the message is the point
     raise ImportError("bagua.integrations.hf needs transformers: pip install 'bagua[hf]'") from exc
 
-from bagua.torch_api.algorithms._checks import check_choice
+from bagua.torch_api.algorithms.checks import check_choice
 from bagua.torch_api.contrib.ddp_hooks import ByteGradState, LocalState, bytegrad_hook, local_hook
 from bagua.torch_api.contrib.diloco_optimizer import DiLoCoOptimizer
 

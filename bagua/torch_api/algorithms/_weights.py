@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from bagua.torch_api.algorithms._checks import check_bool, check_int
+from bagua.torch_api.algorithms.checks import check_bool, check_int
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.tensor import BaguaTensor, weight_tensor
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from bagua.torch_api import communication as comm
 from bagua.torch_api import env
-from bagua.torch_api.algorithms._checks import check_choice, check_int, check_number
+from bagua.torch_api.algorithms.checks import check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms._weights import _one_bucket_per_dtype, _weight_tensors
 from bagua.torch_api.ops.async_average import WeightLock, average_round, flat_like, negotiate

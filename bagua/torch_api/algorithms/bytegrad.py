@@ -55,7 +55,7 @@ from typing import Any, Optional
 
 import torch
 
-from bagua.torch_api.algorithms._checks import check_bool, check_choice
+from bagua.torch_api.algorithms.checks import check_bool, check_choice
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.nonfinite import (
     NONFINITE_POLICIES,

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 from bagua.torch_api.comm import hierarchy
-from bagua.torch_api.algorithms._checks import check_choice
+from bagua.torch_api.algorithms.checks import check_choice
 from bagua.torch_api.algorithms._weights import _check_interval, _one_bucket_per_dtype, _weight_tensors
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients

@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from bagua.torch_api.algorithms._checks import check_bool, check_choice, check_int, check_number
+from bagua.torch_api.algorithms.checks import check_bool, check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.ops.diloco import FRAGMENT_LAYOUTS
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver, driver_property

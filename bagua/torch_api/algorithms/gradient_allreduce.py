@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from bagua.torch_api.algorithms._checks import check_bool
+from bagua.torch_api.algorithms.checks import check_bool
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.comm.process_group import BaguaProcessGroup

@@ -52,7 +52,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
-from bagua.torch_api.algorithms._checks import check_bool, check_number
+from bagua.torch_api.algorithms.checks import check_bool, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.algorithms.nonfinite import (
     FiniteVerdicts,

@@ -47,13 +47,13 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.algorithms._checks import check_bool
+from bagua.torch_api.algorithms.checks import check_bool
 from bagua.torch_api.codecs.block import DEFAULT_BLOCK
 from bagua.torch_api.codecs.compressed_allreduce import all_finite
 from bagua.torch_api.codecs.workspace import AnyWorkspace, compressed_allreduce_inplace, make_workspace
 from bagua.torch_api.ops.compressed import check_codec
-from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
-from bagua.torch_api.data_parallel._comm_plane import CommJob, CommWorker
+from bagua.torch_api.comm.own_group import group_ranks, own_communicator, release_at_exit
+from bagua.torch_api.comm.worker import CommJob, CommWorker
 from bagua.torch_api.comm.process_group import BaguaCommunicator
 
 __all__ = ["CODECS", "ByteGradState", "bytegrad_hook", "LocalState", "local_hook"]
@@ -241,7 +241,7 @@ class LocalState:
     __slots__ = ("warmup_steps", "process_group", "iter")
 
     def __init__(self, warmup_steps: int = 0, process_group: Optional[dist.ProcessGroup] = None) -> None:
-        from bagua.torch_api.algorithms._checks import check_int
+        from bagua.torch_api.algorithms.checks import check_int
 
         check_int("LocalState", "warmup_steps", warmup_steps, 0, "backward passes that average gradients first")
         self.warmup_steps = warmup_steps

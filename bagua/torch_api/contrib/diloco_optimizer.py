@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm, check_fault_tolerance
-from bagua.torch_api.contrib._own_group import group_ranks, own_communicator, release_at_exit
-from bagua.torch_api.data_parallel._comm_plane import CommWorker
+from bagua.torch_api.comm.own_group import group_ranks, own_communicator, release_at_exit
+from bagua.torch_api.comm.worker import CommWorker
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver, driver_property
 
 if TYPE_CHECKING:

@@ -27,14 +27,12 @@ from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket, split_bucket_by_bucket_size
 from bagua.torch_api.data_parallel import _state_sync
 from bagua.torch_api.data_parallel._autograd import REENTRANT_MESSAGE, graph_task_id, queue_backward_end_callback
+from bagua.torch_api.comm.worker import CommJob, CommWorker, wait_or_raise
 from bagua.torch_api.data_parallel._comm_plane import (
-    CommJob,
-    CommWorker,
     enable_multistream_like,
     open_engines_of,
     private_group,
     register_engine,
-    wait_or_raise,
 )
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor, as_bagua_tensor, bind_engine

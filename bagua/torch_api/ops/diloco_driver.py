@@ -49,7 +49,7 @@ class DiLoCoDriver:
         communicator: average on this communicator, every rank calling the exchange.
         group, hierarchical: or on this group, through
             :func:`~bagua.torch_api.comm.hierarchy.run_hierarchically` (``communicator`` must then be ``None``).
-        worker: a :class:`~bagua.torch_api.data_parallel._comm_plane.CommWorker` of the driver's own that runs the
+        worker: a :class:`~bagua.torch_api.comm.worker.CommWorker` of the driver's own that runs the
             exchanges (stopped by :meth:`close`); without it they run inline, unless :attr:`submit` is set.
 
     Attributes: ``fragments``, ``steps`` (inner steps counted, warm-up included), ``processed`` (steps whose
@@ -151,7 +151,7 @@ class DiLoCoDriver:
 
     def _on_worker(self, fn: Callable[[], None], what: str, cuda: bool) -> Any:
         # deferred: the data-parallel package imports the algorithms, which import this module
-        from bagua.torch_api.data_parallel._comm_plane import CommJob
+        from bagua.torch_api.comm.worker import CommJob
 
         return CommJob(self.worker, fn, what, cuda=cuda)
 

@@ -33,8 +33,8 @@ from bagua.torch_api.codecs.workspace import AnyWorkspace, compressed_allreduce_
 from bagua.torch_api.comm.process_group import BaguaCommunicator
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api import communication as comm
-from bagua.torch_api.contrib._own_group import own_communicator, release_at_exit
-from bagua.torch_api.data_parallel._comm_plane import CommWorker
+from bagua.torch_api.comm.own_group import own_communicator, release_at_exit
+from bagua.torch_api.comm.worker import CommWorker
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver
 from bagua.torch_api.sharded.checkpoint import load_sharded_state_dict, sharded_state_dict
 from bagua.torch_api.sharded.mesh import check_mesh, fsdp_units, local_shard, replica_groups

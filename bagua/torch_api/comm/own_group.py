@@ -1,4 +1,4 @@
-"""A communicator of one's own over the ranks of a user's group, for the DDP hooks and optimizers of ``contrib``.
+"""A communicator of one's own over the ranks of a user's group, for the DDP hooks, optimizers and replica groups.
 
 What a hook state or an optimizer sends belongs to it alone (docs/conventions: "the communication plane"): each
 gets a torch group of its own over the user's ranks, created at construction, collectively, with Bagua's timeout,
