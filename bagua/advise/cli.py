@@ -28,6 +28,7 @@ from bagua.advise.measure import (fit_link, format_size, max_over_ranks, parse_s
 from bagua.advise.pick import format_rate, recommend
 from bagua.advise.table import GPT_PARAMS
 from bagua.torch_api import env
+from bagua.torch_api.comm.cost import ring_allreduce_bytes
 
 __all__ = ["build_parser", "load_step", "advise", "format_report", "main"]
 
@@ -125,7 +126,7 @@ def advise(args: argparse.Namespace, group: dist.ProcessGroup, device: torch.dev
     if env.get_local_size() > 1:
         notes.append(f"{env.get_local_size()} processes share this node: the probe measured the path between them, "
                      "not the link between nodes; run one process per node (--nproc_per_node=1)")
-    bus_bps = fit.bytes_per_s * 8 * 2 * (world - 1) / world  # an allreduce of S bytes moves 2(n-1)/n S per rank
+    bus_bps = ring_allreduce_bytes(fit.bytes_per_s, world) * 8  # bits per second on each rank's link
     rec = recommend(max(medians), model_bytes, bus_bps, fit.latency_s, hosts)
     return {
         "world_size": world, "hosts": hosts, "backend": dist.get_backend(group), "device": str(device),

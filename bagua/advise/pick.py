@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from bagua.advise.table import TABLES, TableRow
+from bagua.torch_api.comm.cost import ring_allreduce_bytes
 
 __all__ = ["Recommendation", "recommend", "exchange_seconds", "table_hosts", "format_rate", "DDP_BUCKET_BYTES"]
 
@@ -77,7 +78,7 @@ def exchange_seconds(model_bytes: int, bandwidth_bps: float, latency_s: float, h
         0.8
     """
     buckets = max(1, math.ceil(model_bytes / DDP_BUCKET_BYTES))
-    return buckets * latency_s + 2 * (hosts - 1) / hosts * model_bytes * 8 / bandwidth_bps
+    return buckets * latency_s + ring_allreduce_bytes(model_bytes, hosts) * 8 / bandwidth_bps
 
 
 def format_rate(bits_per_s: float) -> str:
