@@ -23,7 +23,8 @@ and an exchange in flight, and ByteGrad with error feedback). Its state, per ran
 Keys do not depend on the moment of the save (before DiLoCo's warm-up ended, before the first outer step, between
 an exchange and its outer step): a fresh model's ``state_dict()`` is the template DCP loads into.
 
-Example:
+Example (a complete script that saves, loads and checks the resumed run, run by the tests as shown:
+docs/fsdp.md, Checkpoints):
     >>> import torch.distributed.checkpoint as dcp  # doctest: +SKIP
     >>> from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
     ...     set_model_state_dict, set_optimizer_state_dict)  # doctest: +SKIP
@@ -40,8 +41,9 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import io
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -53,21 +55,45 @@ def per_rank_key(position: tuple[int, int]) -> str:
     return f"ranks.replica{position[0]}.shard{position[1]}"
 
 
-def _state_keys(factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> tuple[list[str], list[str]]:
-    """The state keys of the optimizers ``factory`` builds, per element and scalar, as one step of a throwaway one
-    shows them: the real ones hold none before their first step, and a checkpoint's keys must not depend on it."""
-    probe = torch.zeros(3)
-    optimizer = factory([probe])
-    probe.grad = torch.zeros(3)
+def _step_keys(optimizer: torch.optim.Optimizer, probes: list[torch.Tensor]) -> list[tuple[list[str], list[str]]]:
+    """Step ``optimizer``, a throwaway over ``probes``, once with zero gradients; return each probe's state keys, per
+    element and scalar. The real optimizers hold no state before their first step, and a checkpoint's keys must not
+    depend on it."""
+    for probe in probes:
+        probe.grad = torch.zeros_like(probe)
     optimizer.step()
-    tensors = {k: v for k, v in optimizer.state.get(probe, {}).items() if torch.is_tensor(v)}
-    elements = sorted(k for k, v in tensors.items() if v.numel() == 3)
-    return elements, sorted(k for k in tensors if k not in elements)
+    keys = []
+    for probe in probes:
+        tensors = {k: v for k, v in optimizer.state.get(probe, {}).items() if torch.is_tensor(v)}
+        elements = sorted(k for k, v in tensors.items() if v.numel() == probe.numel())
+        keys.append((elements, sorted(k for k in tensors if k not in elements)))
+    return keys
 
 
-def _inner_keys(optimizer: torch.optim.Optimizer) -> tuple[list[str], list[str]]:
-    """:func:`_state_keys` of the inner optimizer (a copy of its class and defaults)."""
-    return _state_keys(lambda params: type(optimizer)(params, **optimizer.defaults))
+def _outer_keys(driver: Any) -> tuple[list[str], list[str]]:
+    """The state keys of DiLoCo's outer optimizers, per element and scalar."""
+    probe = torch.zeros(3)
+    return _step_keys(driver.outer_factory()([probe]), [probe])[0]
+
+
+def _inner_keys(optimizer: torch.optim.Optimizer) -> dict[int, tuple[list[str], list[str]]]:
+    """The state keys of the inner optimizer, per element and scalar, by parameter: ``id(param) -> keys``.
+
+    The throwaway optimizer is a copy made as ``pickle`` and ``copy`` make one (``__getstate__``, then
+    ``__setstate__`` on a new instance), with fresh state and one probe per parameter group, that group's
+    hyper-parameters, device and dtype; the real one's parameters, state and hooks are not touched. It does not go
+    through the constructor: ``defaults`` need not be its keywords (AdamW's hold ``decoupled_weight_decay``, which
+    its constructor rejects in torch 2.13).
+    """
+    probes = [torch.zeros(3, dtype=group["params"][0].dtype, device=group["params"][0].device)
+              if group["params"] else torch.zeros(3) for group in optimizer.param_groups]
+    copied = dict(optimizer.__getstate__())
+    copied.update(defaults=dict(copied["defaults"]), state=collections.defaultdict(dict),
+                  param_groups=[dict(group, params=[probe]) for group, probe in zip(optimizer.param_groups, probes)])
+    throwaway = type(optimizer).__new__(type(optimizer))
+    throwaway.__setstate__(copied)
+    keys = _step_keys(throwaway, probes)
+    return {id(p): group_keys for group, group_keys in zip(optimizer.param_groups, keys) for p in group["params"]}
 
 
 def _dtensor(values: torch.Tensor, param: Any, local: torch.Tensor) -> Any:
@@ -95,7 +121,7 @@ def _diloco_state(replicas: Any, codecs: dict[int, dict[str, torch.Tensor]]) -> 
     flat = driver.state_dict()
     state: dict[str, Any] = {"diloco.steps": flat["steps"], "diloco.processed": flat["processed"],
                              "diloco.built": torch.tensor(int(bool(driver.fragments)))}
-    elements, scalars = _state_keys(driver.outer_factory())
+    elements, scalars = _outer_keys(driver)
     suffixes = ["global"] + [f"outer.{k}" for k in elements] + (["pending_average"] if hyper.overlap_steps else [])
     where = _param_offsets(driver)
     for name, param, local in replicas.named_shards:
@@ -129,7 +155,7 @@ def _load_diloco(replicas: Any, state: dict[str, Any], codecs: dict[int, dict[st
     if int(state["diloco.built"]):
         if not driver.fragments:
             replicas._build_fragments()  # saved after the warm-up: the fragments exist from then on
-        elements, scalars = _state_keys(driver.outer_factory())
+        elements, scalars = _outer_keys(driver)
         names = {id(local): name for name, _, local in replicas.named_shards}
         for fragment in driver.fragments:
             i = fragment.index
@@ -155,12 +181,15 @@ def _replica_state(replicas: Any) -> dict[str, Any]:
     """This replica's weights and inner optimizer state under keys naming it: DiLoCo's replicas differ between
     outer steps (the inner optimizer's state always), and DCP keeps one copy of a key the replicas share."""
     prefix, optimizer = f"replica{replicas.position[0]}", replicas.optimizer
-    elements, scalars = _inner_keys(optimizer)
-    stepped = all(optimizer.state.get(p) for _, p, local in replicas.named_shards if local.numel())
+    keys = _inner_keys(optimizer)
+    # a parameter whose group keeps no state (SGD without momentum) does not count
+    stepped = all(optimizer.state.get(p) for _, p, local in replicas.named_shards
+                  if local.numel() and any(keys.get(id(p), ((), ()))))
     state: dict[str, Any] = {f"{prefix}.optim_stepped": torch.tensor(int(stepped))}
     for name, param, local in replicas.named_shards:
         if not local.numel():
             continue
+        elements, scalars = keys.get(id(param), ([], []))
         mine = optimizer.state.get(param, {}) if stepped else {}
         state[f"{prefix}.param.{name}"] = _dtensor(local.detach().clone(), param, local)
         for key in elements:
@@ -176,13 +205,14 @@ def _load_replica(replicas: Any, state: dict[str, Any]) -> None:
     """Write this replica's weights and inner optimizer state in place (what ``get_model_state_dict`` and
     ``get_optimizer_state_dict`` returned share their storage, so ``set_*_state_dict`` afterwards keeps them)."""
     prefix, optimizer = f"replica{replicas.position[0]}", replicas.optimizer
-    elements, scalars = _inner_keys(optimizer)
+    keys = _inner_keys(optimizer)
     stepped = bool(int(state[f"{prefix}.optim_stepped"]))
     for name, param, local in replicas.named_shards:
         if not local.numel():
             continue
         local.copy_(state[f"{prefix}.param.{name}"].to_local())
-        if not stepped:
+        elements, scalars = keys.get(id(param), ([], []))
+        if not stepped or not elements + scalars:
             continue
         mine = optimizer.state[param]
         for key in elements + scalars:
