@@ -1,8 +1,10 @@
-"""Every snippet of docs/integrations.md runs as shown, at 2 CPU processes, with the command in its first line
-(``# Run: torchrun ...`` or ``# Run: python ...``; ``torchrun`` is this interpreter's ``-m torch.distributed.run``).
+"""Every snippet of docs/integrations.md and every python snippet of docs/fsdp.md runs as shown, at 2 CPU processes,
+with the command in its first line (``# Run: torchrun ...`` or ``# Run: python ...``; ``torchrun`` is this
+interpreter's ``-m torch.distributed.run``).
 
 Each script's own output is checked for its last line on every rank; what the snippets compute is tested against
-references in tests/contrib/test_ddp_hooks.py, test_diloco_optimizer.py and this directory's other files.
+references in tests/contrib/test_ddp_hooks.py, test_diloco_optimizer.py, this directory's other files and
+tests/sharded/.
 """
 
 from __future__ import annotations
@@ -16,20 +18,25 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PAGE = os.path.join(ROOT, "docs", "integrations.md")
+#: the pages, and whether every block of the page must be a snippet (fsdp.md also shows shell commands and output)
+PAGES = {"integrations.md": True, "fsdp.md": False}
 
 
 def _snippets() -> dict[str, tuple[list[str], str]]:
-    """``{script name: (command, source)}`` of every python block of the page."""
-    with open(PAGE) as f:
-        blocks = re.findall(r"```(\w*)\n(.*?)```", f.read(), flags=re.S)
+    """``{script name: (command, source)}`` of every python block of the pages."""
     found = {}
-    for language, source in blocks:
-        assert language == "python", f"docs/integrations.md: a {language or 'plain'} block no test runs"
-        m = re.match(r"# Run: (.+)\n", source)
-        assert m, f"docs/integrations.md: a snippet without its '# Run:' line:\n{source[:200]}"
-        command = shlex.split(m.group(1))
-        found[command[-1]] = (command, source)
+    for page, only_snippets in PAGES.items():
+        with open(os.path.join(ROOT, "docs", page)) as f:
+            blocks = re.findall(r"```(\w*)\n(.*?)```", f.read(), flags=re.S)
+        for language, source in blocks:
+            if language != "python":
+                assert not only_snippets, f"docs/{page}: a {language or 'plain'} block no test runs"
+                continue
+            m = re.match(r"# Run: (.+)\n", source)
+            assert m, f"docs/{page}: a snippet without its '# Run:' line:\n{source[:200]}"
+            command = shlex.split(m.group(1))
+            assert command[-1] not in found, f"docs/{page}: a second snippet named {command[-1]}"
+            found[command[-1]] = (command, source)
     return found
 
 
@@ -43,6 +50,8 @@ EXPECT = {
     "hf_trainer.py": r"training loss \d",
     "accelerate_bytegrad.py": r"done: 2 processes",
     "lightning_bytegrad.py": r"rank [01]: done with BaguaStrategy",
+    "fsdp_quickstart.py": r"rank [01]: loss \d\.\d+ after 30 steps",
+    "fsdp_checkpoint.py": r"rank [01]: the resumed run's weights equal the uninterrupted run's: True",
 }
 
 
