@@ -39,18 +39,22 @@ def worker_parser() -> argparse.ArgumentParser:
 
 def die_at_average(n: int) -> None:
     """SIGKILL this process at the start of its ``n``-th fault-tolerant average (the quorum closed, the peers
-    already in the exchange)."""
+    already in the exchange): its ``n``-th collective over a round's members (one per averaging round)."""
     from bagua.torch_api.fault import FaultTolerance
 
-    calls, average = [0], FaultTolerance._average
+    calls = [0]
 
-    def dying_average(self, *a, **k):
-        calls[0] += 1
-        if calls[0] == n:
-            _die()
-        return average(self, *a, **k)
+    def dying(collective):
+        def call(self, *a, **k):
+            calls[0] += 1
+            if calls[0] == n:
+                _die()
+            return collective(self, *a, **k)
 
-    FaultTolerance._average = dying_average
+        return call
+
+    FaultTolerance.allreduce = dying(FaultTolerance.allreduce)
+    FaultTolerance.allgather = dying(FaultTolerance.allgather)
 
 
 def main() -> None:
@@ -110,7 +114,8 @@ def main() -> None:
         "global": [f.global_.clone() for f in d.fragments],
         "params": [p.detach().clone() for p in model.parameters()],
         "steps": d.steps, "syncs": d.syncs,
-        "residuals": {k: v.clone() for k, v in ft._residuals.items()},
+        "residuals": {f.index: f.workspace.residual.clone() for f in d.fragments
+                      if getattr(f.workspace, "residual", None) is not None},
         "stats": {"rounds": ft.rounds, "retries": ft.retries, "heals": ft.heals, "served": ft.served,
                   "left_out": ft.left_out, "members": ft.members},
     }, args.out)

@@ -8,6 +8,7 @@ verdict is ``retry`` when one member failed and ``ok`` when the silent one is de
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,10 +16,11 @@ import pytest
 
 from bagua.torch_api.fault.coordinator import start_coordinator
 from bagua.torch_api.fault.quorum import Excluded, Quorums
+from bagua.torch_api.fault.records import Member
 from bagua.torch_api.fault.replica import FaultTolerance
 from tests.fault.test_quorum import _free_port
 
-ME = {"round": 0, "joining": False, "samples": 1, "fragment": 0}
+ME = Member(round=0, joining=False, samples=1, part=0)
 
 
 @pytest.fixture()
@@ -37,22 +39,22 @@ def _workers(address, n, workers=3, **kw):
 
 def _start(qs, pool):
     """Run the first quorum and an ok verdict on every worker, as a job's start does."""
-    closed = list(pool.map(lambda q: q.wait(1, dict(ME, joining=True)), qs))
-    assert all(c["first"] for c in closed)
+    closed = list(pool.map(lambda q: q.wait(1, dataclasses.replace(ME, joining=True)), qs))
+    assert all(c.first for c in closed)
     assert list(pool.map(lambda q: q.report(closed[0], True), qs)) == [True] * len(qs)
 
 
 def _ids(quorum):
-    return [m["id"] for m in quorum["members"]]
+    return quorum.ids
 
 
 def test_first_quorum_waits_for_every_worker(coordinator):
     qs = _workers(coordinator, 3)
     with ThreadPoolExecutor(3) as pool:
-        early = [pool.submit(q.wait, 1, dict(ME, joining=True)) for q in qs[:2]]
+        early = [pool.submit(q.wait, 1, dataclasses.replace(ME, joining=True)) for q in qs[:2]]
         time.sleep(1.5)  # two of three: the start waits, whatever the deadline
         assert not any(f.done() for f in early)
-        last = qs[2].wait(1, dict(ME, joining=True))
+        last = qs[2].wait(1, dataclasses.replace(ME, joining=True))
         assert _ids(last) == ["w0", "w1", "w2"] == _ids(early[0].result())
     for q in qs:
         q.close()
@@ -65,12 +67,12 @@ def test_closes_when_every_live_worker_arrived_or_at_the_deadline(coordinator):
         t0 = time.monotonic()
         both = list(pool.map(lambda q: q.wait(2, ME), qs))  # all three live and there: at once
         assert time.monotonic() - t0 < 0.8 and _ids(both[0]) == ["w0", "w1", "w2"]
-        assert both[0]["epoch"] == 1  # the same members as the last round: its group serves again
+        assert both[0].epoch == 1  # the same members as the last round: its group serves again
         list(pool.map(lambda q: q.report(both[0], True), qs))
         t0 = time.monotonic()
         two = list(pool.map(lambda q: q.wait(3, ME), qs[:2]))  # w2 beats but does not come: the deadline
         waited = time.monotonic() - t0
-        assert 0.9 < waited < 3.0 and _ids(two[0]) == ["w0", "w1"] and two[0]["epoch"] == 3
+        assert 0.9 < waited < 3.0 and _ids(two[0]) == ["w0", "w1"] and two[0].epoch == 3
         with pytest.raises(Excluded):
             qs[2].wait(3, ME)  # it arrives after the close: its state is stale
     for q in qs:
@@ -88,7 +90,7 @@ def test_dead_worker_is_not_waited_for_and_verdicts(coordinator):
         # one member failed: everyone retries, also the one whose exchange went through
         assert list(pool.map(lambda a: a[0].report(two[0], a[1]), zip(qs[:2], [True, False]))) == [False, False]
         three = list(pool.map(lambda q: q.wait(3, ME), qs[:2]))
-        assert three[0]["epoch"] == 3  # after a failed round: a new group
+        assert three[0].epoch == 3  # after a failed round: a new group
         # w1 dies after the exchange, before it reports: w0 still gets ok once w1 is silent
         qs[1].close()
         assert qs[0].report(three[0], True) is True
@@ -108,7 +110,7 @@ def test_min_quorum_and_joiners_alone_never_close(coordinator):
     with ThreadPoolExecutor(2) as pool:
         _start(qs, pool)
         with pytest.raises(TimeoutError):
-            qs[1].wait(2, dict(ME, joining=True))  # a joiner waits for a member to close the round
+            qs[1].wait(2, dataclasses.replace(ME, joining=True))  # a joiner waits for a member to close the round
     for q in qs:
         q.close()
 
@@ -156,8 +158,41 @@ def test_a_worker_restarted_at_once_gets_a_new_group(coordinator):
         _start(qs, pool)
         qs[1].close()
         qs[1] = Quorums(coordinator, "w1", 3, heartbeat_s=0.1, stale_s=1.0, timeout_s=20.0)
-        moods = [ME, dict(ME, joining=True, round=-1), ME]
+        moods = [ME, dataclasses.replace(ME, joining=True, round=-1), ME]
         closed = list(pool.map(lambda a: a[0].wait(2, a[1]), zip(qs, moods)))
-        assert _ids(closed[0]) == ["w0", "w1", "w2"] and closed[0]["epoch"] == 2
+        assert _ids(closed[0]) == ["w0", "w1", "w2"] and closed[0].epoch == 2
     for q in qs:
         q.close()
+
+
+def test_fault_tolerant_residuals_are_in_the_checkpoint(coordinator):
+    # one worker, uint4 pseudo-gradients with error feedback, plain averaging (lr 1, no momentum): after one round
+    # its residual is what the encoding lost, delta - average, with delta = g0 - x from plain AdamW steps here and
+    # the average g0 - g1 read off the global weights; the checkpoint holds it, and loading it restores it
+    import torch
+
+    from bagua.torch_api.contrib.diloco_optimizer import DiLoCoOptimizer
+    from tests.torch_api.models import batch, make_model
+
+    ft = FaultTolerance(coordinator, "w0", workers=1, prefix="residuals")
+    model, plain = make_model(0), make_model(0)
+    opt = DiLoCoOptimizer(torch.optim.AdamW(model.parameters(), lr=0.01), sync_every=2, compression="uint4",
+                          outer_lr=1.0, outer_momentum=0.0, fault_tolerance=ft)
+    reference = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    g0 = torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
+    for step in (1, 2):
+        for m, o in ((model, opt), (plain, reference)):
+            x, y = batch(0, step)
+            o.zero_grad()
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+    delta = g0 - torch.cat([p.detach().reshape(-1) for p in plain.parameters()])
+    g1 = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    saved = opt.state_dict()["diloco"]
+    assert "0.codec.residual" in saved, sorted(saved)
+    torch.testing.assert_close(saved["0.codec.residual"], delta - (g0 - g1), rtol=0, atol=1e-6)
+    assert float(saved["0.codec.residual"].abs().max()) > 0
+    opt.driver.fragments[0].workspace = None  # as a restarted process: no residual
+    opt.load_state_dict(dict(opt.inner.state_dict(), diloco=saved))
+    assert torch.equal(opt.driver.fragments[0].workspace.residual, saved["0.codec.residual"])
+    ft.close()

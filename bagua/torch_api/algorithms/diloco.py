@@ -109,8 +109,7 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
                 if len(bagua_ddp.bagua_optimizers) != 1:
                     raise ValueError("DiLoCoAlgorithm(fault_tolerance=...) heals a joining worker with one inner "
                                      f"optimizer's state; this model has {len(bagua_ddp.bagua_optimizers)}")
-                self.driver.fault.optimizer = bagua_ddp.bagua_optimizers[0]
-                self.driver.fault.join(self.driver)
+                self.driver.join(bagua_ddp.bagua_optimizers[0])
         return []  # no gradient communication between synchronizations
 
     def init_operations(self, bagua_ddp, bucket) -> None:
@@ -162,6 +161,14 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
 
     def close(self) -> None:
         self.driver.close(strict=False)  # the engine is being torn down; its error, if any, is raised elsewhere
+
+    def heal_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a joining worker takes from this one (see :meth:`DiLoCoDriver.heal_state_dict`)."""
+        return self.driver.heal_state_dict()
+
+    def load_heal_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take a peer's :meth:`heal_state_dict` (see :meth:`DiLoCoDriver.load_heal_state_dict`)."""
+        self.driver.load_heal_state_dict(state)
 
 
 def check_fault_tolerance(hyper: "DiLoCoAlgorithm", owner: str) -> None:
@@ -276,7 +283,7 @@ class DiLoCoAlgorithm(Algorithm):
             raise ValueError(f"{owner}(block_size=...) must be a power of two, got {self.block_size!r}")
         check_int(owner, "warmup_steps", self.warmup_steps, 0, "gradient-allreduce steps before the inner phases")
         if self.fault_tolerance is not None:
-            if not callable(getattr(self.fault_tolerance, "exchange", None)):
+            if not callable(getattr(self.fault_tolerance, "start_round", None)):
                 raise ValueError("DiLoCoAlgorithm(fault_tolerance=...) takes a bagua.torch_api.fault.FaultTolerance, "
                                  f"got {self.fault_tolerance!r}")
             check_fault_tolerance(self, owner)

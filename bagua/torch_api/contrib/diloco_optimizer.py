@@ -145,7 +145,6 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         # internal state: the driver (DiLoCo's outer loop, shared with DiLoCoAlgorithm) on a group of its own
         if fault_tolerance is not None:
             _check_fault_tolerance(self.hyper, process_group)
-            fault_tolerance.optimizer = inner_optimizer
             self.ranks = [0]
             self.driver = DiLoCoDriver(self.hyper, "DiLoCoOptimizer", fault=fault_tolerance)
         else:
@@ -249,7 +248,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         params = self._parameters()
         if self.driver.fault is not None:  # join the job: the first worker's weights, or a live peer's state
             self.driver.build(params)
-            self.driver.fault.join(self.driver)
+            self.driver.join(self.inner)
             return
         c = self.driver.communicator
         if broadcast and c.group is not None and c.nranks() > 1:  # rank 0's weights everywhere, as with_bagua does
@@ -282,6 +281,14 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     def close(self) -> None:
         """Wait for an exchange in flight and stop the communication thread."""
         self.driver.close()
+
+    def heal_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a joining worker takes from this one (see :meth:`DiLoCoDriver.heal_state_dict`)."""
+        return self.driver.heal_state_dict()
+
+    def load_heal_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take a peer's :meth:`heal_state_dict` (see :meth:`DiLoCoDriver.load_heal_state_dict`)."""
+        self.driver.load_heal_state_dict(state)
 
     def _release_for_exit(self) -> None:
         self.driver.release_for_exit()  # the group is freed while the interpreter is whole

@@ -1,32 +1,37 @@
-"""Fault tolerance: heal a restarted or joining worker from a live peer instead of a checkpoint.
+"""Fault tolerance: a communicator over whichever workers are alive, for any algorithm, and healing from a peer.
 
+- :mod:`~bagua.torch_api.fault.replica`: :class:`FaultTolerance`, the communicator: a quorum per round
+  (:mod:`~bagua.torch_api.fault.quorum`, typed records in :mod:`~bagua.torch_api.fault.records`) agreed through
+  the coordinator's ``TCPStore`` (:mod:`~bagua.torch_api.fault.coordinator`), weighted collectives over exactly
+  the round's members, a commit verdict, and healing through the state callbacks the algorithm registers; a worker
+  may be several ranks holding an FSDP2-sharded model, its first rank speaking for it
+  (:mod:`~bagua.torch_api.fault.ranks`);
 - :mod:`~bagua.torch_api.fault.transfer`: stream a flat dict of tensors between two ranks (a JSON manifest, the
   bytes in buckets, a SHA-256; never unpickled; every wait bounded by ``BAGUA_COMM_TIMEOUT_S``);
-- :mod:`~bagua.torch_api.fault.heal`: what a joining DiLoCo worker takes from a live peer, and how it loads it.
+- :mod:`~bagua.torch_api.fault.heal`: a state and an optimizer's over that wire, sent by a live peer and taken by
+  a joiner through the algorithm's ``heal_state_dict`` / ``load_heal_state_dict``.
 
-- :mod:`~bagua.torch_api.fault.replica`: :class:`FaultTolerance`, DiLoCo over whichever workers are alive (each
-  worker a job of its own), a quorum per synchronization (:mod:`~bagua.torch_api.fault.quorum`) agreed through
-  the coordinator's ``TCPStore`` (:mod:`~bagua.torch_api.fault.coordinator`); a worker may be several ranks
-  holding an FSDP2-sharded model, its first rank speaking for it (:mod:`~bagua.torch_api.fault.ranks`).
-
+Nothing here knows an algorithm: DiLoCo (:class:`~bagua.torch_api.ops.diloco_driver.DiLoCoDriver`) calls it.
 See docs/fault_tolerance.md.
 
 Example:
-    >>> from bagua.torch_api.fault import heal_group, serve_driver, heal_driver  # doctest: +SKIP
+    >>> from bagua.torch_api.fault import FaultTolerance, heal_group, serve_driver, heal_driver  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 from bagua.torch_api.fault.heal import (
-    TAKE_INNER_STATE, driver_heal_state, flatten_optimizer_state, heal_driver, serve_driver,
-    unflatten_optimizer_state,
+    TAKE_INNER_STATE, driver_heal_state, flatten_optimizer_state, heal_driver, heal_state, load_inner_state,
+    serve_driver, serve_state, unflatten_optimizer_state,
 )
 from bagua.torch_api.fault.quorum import CoordinatorLost
-from bagua.torch_api.fault.replica import FaultTolerance
+from bagua.torch_api.fault.records import Member, Quorum, Round
+from bagua.torch_api.fault.replica import FaultTolerance, SettingsDiffer
 from bagua.torch_api.fault.transfer import DEFAULT_BUCKET_BYTES, heal_group, receive_state, send_state
 
 __all__ = [
-    "FaultTolerance", "CoordinatorLost", "DEFAULT_BUCKET_BYTES", "TAKE_INNER_STATE", "heal_group", "send_state",
-    "receive_state", "serve_driver", "heal_driver", "driver_heal_state", "flatten_optimizer_state",
+    "FaultTolerance", "SettingsDiffer", "CoordinatorLost", "Member", "Quorum", "Round", "DEFAULT_BUCKET_BYTES",
+    "TAKE_INNER_STATE", "heal_group", "send_state", "receive_state", "serve_state", "heal_state",
+    "load_inner_state", "serve_driver", "heal_driver", "driver_heal_state", "flatten_optimizer_state",
     "unflatten_optimizer_state",
 ]

@@ -1,19 +1,18 @@
-"""Heal a joining DiLoCo worker from a live peer: the global weights, outer state and counters, never a checkpoint.
+"""Heal a joining worker from a live peer through the algorithm's own state callbacks, never a checkpoint.
 
-A worker that restarts (or joins) at a synchronization calls :func:`heal_driver`; one live peer calls
-:func:`serve_driver` with it. The peer sends, through :func:`~bagua.torch_api.fault.transfer.send_state`
-(checksummed, never unpickled):
+The fault layer knows no algorithm: what travels is whatever the algorithm's ``heal_state_dict()`` returns (a flat
+dict of tensors; DiLoCo's: its counters, each fragment's global weights and outer-optimizer tensors, an exchange in
+flight), and the joiner hands the same dict to its ``load_heal_state_dict(state)``. One live peer calls
+:func:`serve_state` (or :func:`serve_driver` with the object that holds the callbacks), the joiner
+:func:`heal_state` (or :func:`heal_driver`); the state travels through
+:func:`~bagua.torch_api.fault.transfer.send_state` (checksummed, never unpickled), with
 
-1. the step counters (``steps``, ``processed``, ``syncs``), so the joiner keeps the job's schedule;
-2. each fragment's global weights and outer-optimizer tensors (e.g. Nesterov momentum), the same on every rank;
-3. an exchange in flight, if any (its average, which is the same on every rank);
-4. the inner optimizer's hyper-parameters (``param_groups``: a scheduled learning rate), and its state tensors
-   (Adam's moments) only with ``inner_state=True``: measured, a fresh inner state lands at the same loss
-   (docs/fault_tolerance.md), so the default, :data:`TAKE_INNER_STATE`, leaves them out.
+- the inner optimizer's hyper-parameters (``param_groups``: a scheduled learning rate), and its state tensors
+  (Adam's moments) only with ``inner_state=True``: measured, a fresh inner state lands at the same loss
+  (docs/fault_tolerance.md), so the default, :data:`TAKE_INNER_STATE`, leaves them out.
 
-The joiner then sets its weights to the global weights (``x = g``, as after an outer step with ``tau = 0``) and
-starts its per-rank state empty: the codec residuals (error feedback) are this rank's own compression error, which
-a new worker has not made, so they start at zero rather than as a copy of the peer's.
+Per-rank state (DiLoCo's codec residuals, which are this rank's own compression error) does not travel: the
+algorithm's ``load_heal_state_dict`` starts it empty.
 
 Example:
     >>> group = heal_group()  # collective, every rank, at start-up  # doctest: +SKIP
@@ -29,10 +28,9 @@ from typing import Any, Optional
 import torch
 
 from bagua.torch_api.fault.transfer import receive_state, send_state
-from bagua.torch_api.ops.diloco_driver import DiLoCoDriver
 
-__all__ = ["TAKE_INNER_STATE", "INNER_PREFIX", "driver_heal_state", "serve_driver", "heal_driver",
-           "flatten_optimizer_state", "unflatten_optimizer_state"]
+__all__ = ["TAKE_INNER_STATE", "INNER_PREFIX", "serve_state", "heal_state", "load_inner_state", "driver_heal_state",
+           "serve_driver", "heal_driver", "flatten_optimizer_state", "unflatten_optimizer_state"]
 
 #: whether :func:`serve_driver` sends the inner optimizer's state tensors by default (measured: no better loss)
 TAKE_INNER_STATE = False
@@ -112,56 +110,38 @@ def unflatten_optimizer_state(flat: dict[str, torch.Tensor], prefix: str = INNER
     return build(tree)
 
 
-# -- a DiLoCo driver ----------------------------------------------------------------------------------------
+# -- a state and an optimizer's, over the wire -------------------------------------------------------------
 
 
-def _driver(obj: Any) -> DiLoCoDriver:
-    driver = obj if isinstance(obj, DiLoCoDriver) else getattr(obj, "driver", None)
-    if not isinstance(driver, DiLoCoDriver):
-        raise ValueError(f"expected a DiLoCoDriver, or what holds one as .driver (a DiLoCoOptimizer, "
-                         f"model.bagua_algorithm of DiLoCoAlgorithm); got {type(obj).__name__}")
-    if not driver.fragments:
-        raise ValueError(f"{driver.owner}: the fragments are not built yet (still warming up, or before the first "
-                         "step): heal after the warm-up, at a synchronization")
-    return driver
-
-
-def driver_heal_state(driver: Any) -> dict[str, torch.Tensor]:
-    """What a joining worker takes from a live peer's driver: its ``state_dict`` (counters, global weights, outer
-    optimizer tensors, an exchange in flight) and ``syncs``, without the codec residuals (``*.codec.*``), which
-    are the peer's own.
-
-    Example:
-        >>> sorted(driver_heal_state(opt))  # doctest: +SKIP
-        ['0.global', '0.outer.momentum_buffer', 'processed', 'steps', 'syncs']
-    """
-    d = _driver(driver)
-    state = {k: v for k, v in d.state_dict(("steps", "processed")).items() if ".codec." not in k}
-    state["syncs"] = torch.tensor(d.syncs)
-    return state
-
-
-def serve_driver(driver: Any, dst: int, group: Any = None, optimizer: Optional[torch.optim.Optimizer] = None,
-                 inner_state: bool = TAKE_INNER_STATE) -> int:
-    """Send this live rank's DiLoCo state to the joining global rank ``dst`` (which calls :func:`heal_driver`);
-    return the bytes sent.
-
-    Args:
-        driver: a :class:`~bagua.torch_api.ops.diloco_driver.DiLoCoDriver`, or what holds one as ``.driver``.
-        dst: the joiner's global rank.
-        group: the group to send on (default: :func:`~bagua.torch_api.fault.transfer.heal_group`'s).
-        optimizer: the inner optimizer: its ``param_groups`` travel, and its state tensors with ``inner_state``.
-        inner_state: send the inner optimizer's state (Adam's moments); default :data:`TAKE_INNER_STATE`.
-
-    Example:
-        >>> serve_driver(model.bagua_algorithm, dst=3, optimizer=opt)  # doctest: +SKIP
-    """
-    state = driver_heal_state(driver)
+def serve_state(state: dict[str, torch.Tensor], dst: int, group: Any = None,
+                optimizer: Optional[torch.optim.Optimizer] = None, inner_state: bool = TAKE_INNER_STATE) -> int:
+    """Send ``state`` (the algorithm's heal state) and ``optimizer``'s (``param_groups``, and its state tensors with
+    ``inner_state``) to the joining global rank ``dst``, which calls :func:`heal_state`; return the bytes sent."""
+    state = dict(state)
     if optimizer is not None:
         inner = optimizer.state_dict()
         state.update(flatten_optimizer_state({"state": _local(inner["state"]) if inner_state else {},
                                               "param_groups": inner["param_groups"]}))
     return send_state(state, dst, group)
+
+
+def heal_state(src: int, group: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Receive what :func:`serve_state` sent from global rank ``src`` (checksummed: nothing is returned unless it
+    is whole); return the algorithm's state and the inner optimizer's part (empty when none travelled)."""
+    state = receive_state(src, group)
+    inner = {k: v for k, v in state.items() if k.startswith(INNER_PREFIX)}
+    return {k: v for k, v in state.items() if not k.startswith(INNER_PREFIX)}, inner
+
+
+def load_inner_state(optimizer: Optional[torch.optim.Optimizer], inner: dict[str, torch.Tensor]) -> bool:
+    """Load the peer's ``param_groups`` into ``optimizer``, and its state, or an empty (fresh) state when it did not
+    travel; return whether the state tensors came."""
+    if optimizer is None or not inner:
+        return False
+    peer = unflatten_optimizer_state(inner)
+    peer["state"] = _sharded_like(optimizer, peer["state"])
+    optimizer.load_state_dict(peer)  # an empty "state": the moments start fresh, as a new optimizer's
+    return bool(peer["state"])
 
 
 def _local(state: dict[Any, Any]) -> dict[Any, Any]:
@@ -189,37 +169,56 @@ def _sharded_like(optimizer: torch.optim.Optimizer, state: dict[Any, Any]) -> di
     return out
 
 
-@torch.no_grad()
-def heal_driver(driver: Any, src: int, group: Any = None, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
-    """Take the DiLoCo state of the live global rank ``src`` (which calls :func:`serve_driver`) into this joining
-    rank's driver and weights; return whether the inner optimizer's state tensors came too.
+# -- what holds the callbacks (DiLoCo's optimizer, algorithm or driver) -------------------------------------
 
-    1. receive the state (checksummed; nothing is changed here unless it is whole);
-    2. start the per-rank state empty: no exchange in flight, codec residuals (error feedback) at zero;
-    3. load counters, global weights, outer state (``driver.load_state_dict``) and ``syncs``;
-    4. set the weights to the global weights (``x = g``);
-    5. with ``optimizer``: load the peer's ``param_groups``, and its state, or an empty (fresh) state when it did
-       not travel.
+
+def _healable(obj: Any) -> Any:
+    if not (callable(getattr(obj, "heal_state_dict", None)) and callable(getattr(obj, "load_heal_state_dict", None))):
+        raise ValueError(f"expected what heals through heal_state_dict() / load_heal_state_dict(): a "
+                         f"DiLoCoOptimizer, model.bagua_algorithm of DiLoCoAlgorithm, or a DiLoCoDriver; got "
+                         f"{type(obj).__name__}")
+    return obj
+
+
+def driver_heal_state(holder: Any) -> dict[str, torch.Tensor]:
+    """What a joining worker takes from ``holder`` (anything with ``heal_state_dict()``: a DiLoCoOptimizer,
+    ``model.bagua_algorithm`` of DiLoCoAlgorithm, a DiLoCoDriver).
+
+    Example:
+        >>> sorted(driver_heal_state(opt))  # doctest: +SKIP
+        ['0.global', '0.outer.momentum_buffer', 'processed', 'steps', 'syncs']
+    """
+    return _healable(holder).heal_state_dict()
+
+
+def serve_driver(holder: Any, dst: int, group: Any = None, optimizer: Optional[torch.optim.Optimizer] = None,
+                 inner_state: bool = TAKE_INNER_STATE) -> int:
+    """Send ``holder``'s heal state to the joining global rank ``dst`` (which calls :func:`heal_driver`); return
+    the bytes sent.
+
+    Args:
+        holder: what holds the state callbacks (a DiLoCoOptimizer, ``model.bagua_algorithm`` of DiLoCoAlgorithm, a
+            DiLoCoDriver).
+        dst: the joiner's global rank.
+        group: the group to send on (default: :func:`~bagua.torch_api.fault.transfer.heal_group`'s).
+        optimizer: the inner optimizer: its ``param_groups`` travel, and its state tensors with ``inner_state``.
+        inner_state: send the inner optimizer's state (Adam's moments); default :data:`TAKE_INNER_STATE`.
+
+    Example:
+        >>> serve_driver(model.bagua_algorithm, dst=3, optimizer=opt)  # doctest: +SKIP
+    """
+    return serve_state(driver_heal_state(holder), dst, group, optimizer, inner_state)
+
+
+@torch.no_grad()
+def heal_driver(holder: Any, src: int, group: Any = None, optimizer: Optional[torch.optim.Optimizer] = None) -> bool:
+    """Take the state of the live global rank ``src`` (which calls :func:`serve_driver`) into ``holder`` (its
+    ``load_heal_state_dict``) and ``optimizer``; return whether the inner optimizer's state tensors came too.
 
     Example:
         >>> heal_driver(model.bagua_algorithm, src=0, optimizer=opt)  # doctest: +SKIP
     """
-    d = _driver(driver)
-    state = receive_state(src, group)
-    inner = {k: v for k, v in state.items() if k.startswith(INNER_PREFIX)}
-    for fragment in d.fragments:
-        fragment.workspace = None  # a new workspace's residuals start at zero
-        fragment.pending = None
-    d.load_state_dict({k: v for k, v in state.items() if not k.startswith(INNER_PREFIX) and k != "syncs"})
-    d.syncs = int(state["syncs"])
-    for fragment in d.fragments:
-        offset = 0
-        for p in fragment.params:
-            p.copy_(fragment.global_[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-    if optimizer is None or not inner:
-        return False
-    peer = unflatten_optimizer_state(inner)
-    peer["state"] = _sharded_like(optimizer, peer["state"])
-    optimizer.load_state_dict(peer)  # an empty "state": the moments start fresh, as a new optimizer's
-    return bool(peer["state"])
+    target = _healable(holder)
+    state, inner = heal_state(src, group)
+    target.load_heal_state_dict(state)
+    return load_inner_state(optimizer, inner)

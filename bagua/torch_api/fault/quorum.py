@@ -4,8 +4,9 @@ Workers that may fail alone are separate jobs with no torch world in common. The
 the coordinator (:mod:`~bagua.torch_api.fault.coordinator`), and at each synchronization agree on the members of
 that round:
 
-1. each arriving worker takes a slot in the quorum (``add`` on a counter) and writes who it is (JSON: id, round,
-   whether it is joining, the samples it contributes);
+1. each arriving worker takes a slot in the quorum (``add`` on a counter) and writes who it is (a
+   :class:`~bagua.torch_api.fault.records.Member` as JSON: id, round, whether it is joining, the samples it
+   contributes);
 2. a non-joining member closes the quorum, by ``compare_set`` on one key so that exactly one list of members wins,
    as soon as every live worker has arrived, or at its deadline with at least ``min_quorum`` members. A worker is
    live while its heartbeat (a counter a thread of its own advances every ``heartbeat_s``) moves: a killed or
@@ -20,14 +21,14 @@ is stale and it joins again. Nothing read from the store is unpickled: values ar
 
 Example:
     >>> q = Quorums("10.0.0.1:29600", worker="site-a", workers=4)  # doctest: +SKIP
-    >>> members = q.wait(q.next_key, {"round": 3, "joining": False, "samples": 800})  # doctest: +SKIP
+    >>> quorum = q.wait(q.next_key, Member(round=3, joining=False, samples=800, part=0))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
-import json
 import statistics
 import threading
 import time
@@ -35,6 +36,8 @@ import uuid
 from typing import Any, Optional
 
 import torch.distributed as dist
+
+from bagua.torch_api.fault.records import Member, Quorum
 
 __all__ = ["Quorums", "Excluded", "CoordinatorLost", "connect_store"]
 
@@ -124,7 +127,7 @@ class Quorums:
         atexit.register(self.close)  # a worker that raises stops beating before the interpreter is torn down
         # internal state
         self.next_key = 0  # the quorum this worker takes part in next (0: not yet joined)
-        self.previous: Optional[dict[str, Any]] = None  # the last quorum whose verdict was ok, and its members
+        self.previous: Optional[Quorum] = None  # the last quorum whose verdict was ok
         self._seen: dict[str, tuple[int, float]] = {}  # worker -> (heartbeat, when it last moved), as seen here
         self._arrivals: list[float] = []  # when this worker arrived at its last rounds
 
@@ -178,11 +181,11 @@ class Quorums:
         gaps = [b - a for a, b in zip(self._arrivals, self._arrivals[1:])]
         return max(self.min_deadline_s, self.slack * statistics.median(gaps)) if gaps else self.min_deadline_s
 
-    def wait(self, key: int, me: dict[str, Any]) -> dict[str, Any]:
+    def wait(self, key: int, me: Member) -> Quorum:
         """Take a slot in quorum ``key``: see :meth:`_wait`; a lost coordinator raises :class:`CoordinatorLost`."""
         return self._guarded(self._wait, key, me)
 
-    def report(self, quorum: dict[str, Any], ok: bool) -> bool:
+    def report(self, quorum: Quorum, ok: bool) -> bool:
         """Report this member's exchange: see :meth:`_report`; a lost coordinator raises :class:`CoordinatorLost`."""
         return self._guarded(self._report, quorum, ok)
 
@@ -195,28 +198,28 @@ class Quorums:
                 "stops here with its state intact: restart the coordinator, then the workers from their "
                 "checkpoints") from exc
 
-    def _wait(self, key: int, me: dict[str, Any]) -> dict[str, Any]:
-        """Take a slot in quorum ``key`` as ``me`` (``round``, ``joining``, ``samples``, ``fragment``) and return the
-        closed quorum: ``{"key", "members": [{"id", ...}], "epoch", "first"}``; raise :class:`Excluded` when it
-        closed without this worker, ``TimeoutError`` past ``timeout_s``."""
-        me = dict(me, id=self.worker, incarnation=self.incarnation)
+    def _wait(self, key: int, me: Member) -> Quorum:
+        """Take a slot in quorum ``key`` as ``me`` (its ``id`` and ``incarnation`` filled in here) and return the
+        closed quorum; raise :class:`Excluded` when it closed without this worker, ``TimeoutError`` past
+        ``timeout_s``."""
+        me = dataclasses.replace(me, id=self.worker, incarnation=self.incarnation)
         slot = self.store.add(self._k(f"q/{key}/n"), 1)
-        self.store.set(self._k(f"q/{key}/slot/{slot}"), json.dumps(me))
+        self.store.set(self._k(f"q/{key}/slot/{slot}"), me.to_json())
         start = time.monotonic()
-        if not me["joining"]:
+        if not me.joining:
             self._arrivals = (self._arrivals + [start])[-8:]
         first = self._get("started") is None  # no round succeeded yet: the job's start waits for every worker
         while True:
             closed = self._get(f"q/{key}/closed")
             if closed is not None:
-                quorum = json.loads(closed)
-                if all(m["id"] != self.worker for m in quorum["members"]):
+                quorum = Quorum.from_json(closed)
+                if self.worker not in quorum.ids:
                     raise Excluded(f"worker {self.worker!r}: quorum {key} closed without it")
                 return quorum
-            if not me["joining"] or first:
+            if not me.joining or first:
                 self._maybe_close(key, start, first)
             if time.monotonic() - start > self.timeout_s:
-                arrived = [m["id"] for m in self._arrived(key)]
+                arrived = [m.id for m in self._arrived(key)]
                 need = self.workers if first else self.min_quorum
                 raise TimeoutError(
                     f"worker {self.worker!r}: quorum {key} did not close within {self.timeout_s:g} s: {arrived} "
@@ -224,34 +227,34 @@ class Quorums:
                     "start the missing workers, or lower min_quorum")
             _pause(start)
 
-    def _arrived(self, key: int) -> list[dict[str, Any]]:
+    def _arrived(self, key: int) -> list[Member]:
         n = int(self.store.add(self._k(f"q/{key}/n"), 0))
         members = {}
         for raw in self._read([self._k(f"q/{key}/slot/{i}") for i in range(1, n + 1)]):
             if raw is None:
                 continue  # a slot taken a moment ago, not written yet
-            m = json.loads(raw)
-            members[m["id"]] = m  # a worker that restarted within the quorum: its last slot
+            m = Member.from_json(raw)
+            members[m.id] = m  # a worker that restarted within the quorum: its last slot
         return [members[w] for w in sorted(members)]
 
     def _maybe_close(self, key: int, start: float, first: bool) -> None:
         arrived = self._arrived(key)
-        ids = {m["id"] for m in arrived}
+        ids = {m.id for m in arrived}
         if first:
             ready = len(ids) >= self.workers
         else:
-            enough = len(ids) >= self.min_quorum and any(not m["joining"] for m in arrived)
+            enough = len(ids) >= self.min_quorum and any(not m.joining for m in arrived)
             ready = enough and (self.live() <= ids or time.monotonic() - start >= self.deadline())
         if not ready:
             return
         prev = self.previous
         # the last round's group serves again when it succeeded just before with the same members: the same
         # processes, not only the same ids (a worker restarted at once keeps its id, and has no such group)
-        same = prev is not None and prev["key"] == key - 1 and [
-            (m["id"], m["incarnation"]) for m in prev["members"]] == [(m["id"], m["incarnation"]) for m in arrived]
-        record = {"key": key, "members": arrived, "epoch": prev["epoch"] if same else key, "first": first}
+        same = prev is not None and prev.key == key - 1 and [
+            (m.id, m.incarnation) for m in prev.members] == [(m.id, m.incarnation) for m in arrived]
+        record = Quorum(key=key, members=tuple(arrived), epoch=prev.epoch if same else key, first=first)
         full = self._k(f"q/{key}/closed")
-        self.store.compare_set(full, "", json.dumps(record))
+        self.store.compare_set(full, "", record.to_json())
         latest = self._k("latest")
         current = self.store.compare_set(latest, "", str(key)).decode()
         while int(current or 0) < key:  # only ever forward
@@ -259,12 +262,12 @@ class Quorums:
 
     # -- the verdict of a round --------------------------------------------------------------------------------
 
-    def _report(self, quorum: dict[str, Any], ok: bool) -> bool:
+    def _report(self, quorum: Quorum, ok: bool) -> bool:
         """Report this member's exchange as ``ok`` or failed and return the round's verdict (True: everyone
         alive holds the result; False: the survivors retry in the next quorum)."""
-        key = quorum["key"]
+        key = quorum.key
         self.store.set(self._k(f"q/{key}/done/{self.worker}"), "ok" if ok else "failed")
-        ids = [m["id"] for m in quorum["members"]]
+        ids = quorum.ids
         start = time.monotonic()
         while True:
             verdict = self._get(f"q/{key}/verdict")

@@ -1,20 +1,21 @@
-"""Workers that fail alone: DiLoCo's synchronizations over the live workers, and healing from a peer.
+"""Workers that fail alone: a communicator over whichever workers are alive, for any algorithm.
 
-:class:`FaultTolerance` is what :class:`~bagua.torch_api.contrib.diloco_optimizer.DiLoCoOptimizer` takes as
-``fault_tolerance=``. Each worker is then a job of its own (one process, started by ``torchrun`` or any launcher,
-which restarts it alone); the workers share no torch world. At each synchronization of a fragment:
+:class:`FaultTolerance` is what an algorithm takes as ``fault_tolerance=`` (``DiLoCoAlgorithm``,
+``contrib.DiLoCoOptimizer``). Each worker is then a job of its own (one process, or the ranks of one sharded model,
+started by ``torchrun`` or any launcher, which restarts it alone); the workers share no torch world. The algorithm
+registers its state callbacks once (:meth:`FaultTolerance.register`), then runs each synchronization as a round:
 
-1. the live workers agree on the round's members (:class:`~bagua.torch_api.fault.quorum.Quorums`): a worker that
-   died or stalls past the deadline is left out;
-2. they build a gloo group for exactly those members, or keep the last one when the members are the same;
-3. a member that is joining (new, restarted, or left out of an earlier round) takes the job's state from a live
-   peer (:func:`~bagua.torch_api.fault.heal.serve_driver`: checksummed, never unpickled) and contributes nothing
-   to this round;
-4. the pseudo-gradients are averaged, weighted by the samples each member contributed (a plain average, bit for
-   bit today's, when they are equal; compressed, :mod:`~bagua.torch_api.fault.compressed`), and every member takes
-   the same outer step;
-5. a member whose exchange failed (a peer died mid-way) says so, and the survivors run the round again, from their
-   pseudo-gradients as they were before it.
+1. :meth:`FaultTolerance.start_round`: the live workers agree on the round's members
+   (:class:`~bagua.torch_api.fault.quorum.Quorums`; a worker that died or stalls past the deadline is left out),
+   get a gloo group of exactly those members (the last one when they are the same), and a member that is joining
+   (new, restarted, or left out of an earlier round) takes the state of a live peer through the algorithm's
+   callbacks (:mod:`~bagua.torch_api.fault.heal`: checksummed, never unpickled). It returns a typed
+   :class:`~bagua.torch_api.fault.records.Round`;
+2. :meth:`FaultTolerance.allreduce` / :meth:`FaultTolerance.allgather` over exactly the members, weighted by the
+   samples each contributed (a healed member contributes zeros); an error is recorded, not raised;
+3. :meth:`FaultTolerance.should_commit`: the round's verdict. ``True``: every member holds the result, and the
+   algorithm commits it (a healed member takes the round's outcome from it). ``False``: a peer died mid-way, and
+   the survivors run the round again from what they held before it.
 
 A worker may also be a job of several ranks holding the model sharded with FSDP2 (``with_bagua(...,
 device_mesh=mesh)`` with a ``(1, shards)`` mesh): its first rank takes part in the quorum for it and shares it
@@ -42,14 +43,19 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.fault.compressed import compressed_average, wire_bytes
-from bagua.torch_api.fault.heal import TAKE_INNER_STATE, heal_driver, serve_driver
+from bagua.torch_api.fault.heal import TAKE_INNER_STATE, heal_state, load_inner_state, serve_state
 from bagua.torch_api.fault.quorum import Excluded, Quorums
 from bagua.torch_api.fault.ranks import WorkerRanks
+from bagua.torch_api.fault.records import Member, Quorum, Round
 
-__all__ = ["FaultTolerance"]
+__all__ = ["FaultTolerance", "SettingsDiffer"]
 
 _log = logging.getLogger(__name__)
+#: what a round's collectives and transfers raise when a peer dies or stalls: recorded, and the round retried
+ROUND_ERRORS = (RuntimeError, ValueError, TimeoutError, OSError)
+
+StateDict = Callable[[], dict[str, torch.Tensor]]
+LoadStateDict = Callable[[dict[str, torch.Tensor]], None]
 
 
 def _route_to(address: str) -> str:
@@ -61,35 +67,36 @@ def _route_to(address: str) -> str:
 
 
 class SettingsDiffer(ValueError):
-    """The members of a round run DiLoCo with different settings: the job cannot go on (never retried)."""
+    """The members of a round run the algorithm with different settings: the job cannot go on (never retried)."""
 
 
-def _settings(driver: Any, ranks: int) -> str:
-    """What every worker of a job must share, as a string written to its slot: the exchange's shape, the outer
-    step ("auto" resolved; each worker takes it on the same average, so different ones would part the weights) and
-    the ranks (shards) per worker."""
-    h = driver.hyper
-    outer = ("custom" if h.outer_optimizer is not None else
-             f"lr={h.outer_lr} momentum={h.outer_momentum} nesterov={h.nesterov} lr_warmup={h.outer_lr_warmup}")
-    return (f"sync_every={h.sync_every} fragments={h.fragments} compression={h.compression} "
-            f"block_size={h.block_size} ranks={ranks} outer: {outer}")
+def roles(quorum: Quorum) -> tuple[list[Member], list[Member], int]:
+    """The members who heal, those who serve (the sources), and the part the round synchronizes (-1: none)."""
+    members = list(quorum.members)
+    if quorum.first:
+        return members[1:], members[:1], -1
+    current = [m for m in members if not m.joining]
+    top = max(m.round for m in current)
+    sources = [m for m in current if m.round == top]
+    healed = [m for m in members if m not in sources]
+    return healed, sources, sources[0].part
 
 
 class FaultTolerance:
-    """Run DiLoCo's synchronizations over whichever workers are alive (see the module docstring).
+    """A communicator over whichever workers are alive (see the module docstring).
 
     Args:
         coordinator: ``"host:port"`` of the coordinator (``python -m bagua.torch_api.fault.coordinator``).
         worker: this worker's id, unique in the job and kept across its restarts (``"site-a"``).
-        workers: the job's number of workers; the first synchronization waits for all of them.
+        workers: the job's number of workers; the first round waits for all of them.
         min_quorum: the fewest workers a round goes on with (``workers``: always wait for everyone).
         deadline_s: how long the arrived workers wait for a live one that has not; ``None`` adapts it to half
             the measured time between rounds (at least 2 s).
         constant_batch: :meth:`accumulation` scales the steps a worker accumulates by ``workers / live``, so the
             job's global batch stays the same while workers are missing.
-        exchange_timeout_s: the most a round's exchange (heal and average) may take before it fails and the round
-            is retried without the workers that did not answer; ``None``: 4x the slowest exchange measured, at
-            least 30 s.
+        exchange_timeout_s: the most a round's exchange (heal and collectives) may take before it fails and the
+            round is retried without the workers that did not answer; ``None``: 4x the slowest exchange measured,
+            at least 30 s.
         heartbeat_s, stale_s: heartbeat period, and the silence after which a worker is not waited for.
         timeout_s: the most a wait for the coordinator or a quorum takes before it raises.
         inner_state: also take a peer's inner optimizer state when healing (measured: no better; see
@@ -115,16 +122,23 @@ class FaultTolerance:
         self.quorums = Quorums(coordinator, worker, workers, min_quorum, deadline_s, heartbeat_s=heartbeat_s,
                                stale_s=stale_s, timeout_s=timeout_s, prefix=prefix)
         self.hostname = hostname or _route_to(coordinator)
-        self.optimizer: Optional[torch.optim.Optimizer] = None  # the inner optimizer, set by DiLoCoOptimizer
         #: a worker of several ranks (a sharded model): its ranks, set by :meth:`bind_ranks`; None: one process
         self.ranks: Optional[WorkerRanks] = None
+        # what the algorithm registered (see register)
+        self._settings = ""
+        self._needs = "the same settings"
+        self._state_dict: Optional[StateDict] = None
+        self._load_state_dict: Optional[LoadStateDict] = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None  # the inner optimizer, whose state heals too
         # internal state
         self._group: Optional[Any] = None
         self._epoch: Optional[int] = None
-        self._samples: dict[int, int] = {}  # fragment -> samples since its last synchronization
+        self._joining = True  # a worker joins the job before its first round (and again when left out)
+        self._round: Optional[Round] = None  # the round in progress
+        self._error: Optional[BaseException] = None  # what its collectives raised, recorded
+        self._started = 0.0
+        self._samples: dict[int, int] = {}  # part -> samples since its last synchronization
         self._step_samples: Optional[int] = None
-        self._residuals: dict[int, torch.Tensor] = {}  # fragment -> error-feedback residual (compressed rounds)
-        self._candidate: Optional[tuple[int, torch.Tensor]] = None  # the round's new residual, kept if it is ok
         # stats
         self.members: list[str] = []
         self.rounds = self.retries = self.heals = self.served = self.left_out = 0
@@ -133,6 +147,7 @@ class FaultTolerance:
 
     @property
     def worker(self) -> str:
+        """This worker's id."""
         return self.quorums.worker
 
     @property
@@ -152,26 +167,25 @@ class FaultTolerance:
         if self.ranks.rank != 0:
             self.quorums.close()
 
-    def _settings(self, driver: Any) -> str:
-        return _settings(driver, self.ranks.size if self.ranks is not None else 1)
+    def register(self, state_dict: StateDict, load_state_dict: LoadStateDict, settings: str,
+                 needs: str = "the same settings", optimizer: Optional[torch.optim.Optimizer] = None) -> None:
+        """Register what a joining worker takes from a live peer, and what every member must share.
 
-    def _lead(self, fn: Callable[[], Any]) -> Any:
-        """Run a call on the coordinator: here, or on the worker's first rank, shared with its other ranks."""
-        return self.ranks.share(fn) if self.ranks is not None else fn()
-
-    def _verdict(self, quorum: dict[str, Any], ok: bool) -> bool:
-        """Report this worker's exchange (ok on every one of its ranks) and return the round's verdict."""
-        if self.ranks is None:
-            return self.quorums.report(quorum, ok)
-        ok = self.ranks.all_ok(ok)
-        return self.ranks.share(lambda: self.quorums.report(quorum, ok))
+        Args:
+            state_dict: returns the algorithm's state a joiner takes (flat tensors; the same on every member).
+            load_state_dict: loads it on the joiner (and starts the joiner's per-worker state empty).
+            settings: the algorithm's settings as text; a round whose members differ raises
+                :class:`SettingsDiffer`, whose message says the workers need ``needs``.
+            optimizer: the inner optimizer, whose ``param_groups`` (and state, with ``inner_state``) heal too.
+        """
+        self._state_dict, self._load_state_dict = state_dict, load_state_dict
+        self._settings, self._needs, self.optimizer = settings, needs, optimizer
 
     # -- what the user's loop may call ---------------------------------------------------------------------------
 
     def add_samples(self, n: int) -> None:
-        """Count ``n`` samples in the current inner step (default, when never called in a step: 1 per step); the
-        average weighs each worker's pseudo-gradient by the samples it contributed since the fragment's last
-        synchronization."""
+        """Count ``n`` samples in the current step (default, when never called in a step: 1 per step); the
+        average weighs each worker's tensor by the samples it contributed since the part's last round."""
         self._step_samples = (self._step_samples or 0) + int(n)
 
     def accumulation(self, base: int) -> int:
@@ -190,164 +204,159 @@ class FaultTolerance:
         self._drop_group()
         self.quorums.close()
 
-    # -- what the driver calls -------------------------------------------------------------------------------------
+    # -- what the algorithm calls ----------------------------------------------------------------------------------
 
-    def on_step(self, fragments: int) -> None:
-        """Count one inner step's samples towards every fragment."""
+    def count_step(self, parts: int) -> None:
+        """Count one step's samples towards each of the algorithm's ``parts``."""
         n = self._step_samples if self._step_samples is not None else 1
-        for i in range(fragments):
+        for i in range(parts):
             self._samples[i] = self._samples.get(i, 0) + n
         self._step_samples = None
 
-    def exchange(self, driver: Any, fragment: Any) -> bool:
-        """Average ``fragment.delta`` over this round's quorum, in place; retry without workers that fail.
+    def start_round(self, round: int, part: int) -> Round:
+        """Agree on this round's members and heal whoever is behind; return this worker's :class:`Round`.
 
-        Returns False when this worker was left out of the round: it then joined a later one and holds the peer's
-        state (weights, counters) with that round's outer step taken, so the caller skips its own.
+        ``round``: the rounds this worker's state has completed; ``part``: the part it synchronizes. A joining
+        worker (before its first round, or after it found a round closed without it) takes part as a joiner
+        instead: it heals from a source, and the returned round says so (``healed``). An error while healing is
+        recorded (see :meth:`should_commit`); settings that differ raise :class:`SettingsDiffer`.
         """
-        saved = fragment.delta.clone()
         while True:
-            me = {"round": driver.syncs, "joining": False, "samples": self._samples.get(fragment.index, 0),
-                  "fragment": fragment.index, "settings": self._settings(driver)}
             try:
-                quorum = self._lead(lambda: self.quorums.wait(self.quorums.next_key, me))
+                quorum = self._lead_quorum(self._admitted if self._joining else lambda: self.quorums.wait(
+                    self.quorums.next_key, Member(round, False, self._samples.get(part, 0), part, self._full_settings())))
+                break
             except Excluded:
+                if self._joining:
+                    continue
                 self.left_out += 1
                 _log.warning("worker %r was left out of a round (it stalled past the deadline); joining again",
                              self.worker)
-                self.join(driver)
-                return False
-            healed = self._run(driver, quorum, fragment)
-            if self._verdict(quorum, healed is not None):
-                return self._done(driver, quorum, bool(healed))
-            self.retries += 1
-            fragment.delta.copy_(saved)
+                self._joining = True
+        differ = {m.id: m.settings for m in quorum.members if m.settings != self._full_settings()}
+        if differ:
+            raise SettingsDiffer(f"worker {self.worker!r} runs with {self._full_settings()}, but {differ}: every "
+                                 f"worker of a job needs {self._needs}, and as many ranks; restart the workers "
+                                 "with one setting")
+        healed, sources, p = roles(quorum)
+        rank = quorum.ids.index(self.worker)
+        me_healed = self.worker in {m.id for m in healed}
+        source_ids = {m.id for m in sources}
+        weights = tuple(m.samples if m.id in source_ids else 0 for m in quorum.members)
+        self._round = Round(quorum, rank, p, me_healed, weights)
+        self._error = None
+        self._started = time.monotonic()
+        try:
+            group = self._group_for(quorum, rank, len(weights))
+            for i, m in enumerate(healed):
+                src = sources[(i + quorum.key) % len(sources)].id
+                if src == self.worker:
+                    serve_state(self._state_dict() if self._state_dict else {}, quorum.ids.index(m.id), group,
+                                self.optimizer, self.inner_state)
+                    self.served += 1
+                elif m.id == self.worker:
+                    state, inner = heal_state(quorum.ids.index(src), group)
+                    if self._load_state_dict is not None:
+                        self._load_state_dict(state)
+                    load_inner_state(self.optimizer, inner)
+                    self.heal_seconds.append(time.monotonic() - self._started)
+        except ROUND_ERRORS as exc:
+            self.fail(exc)
+        return self._round
+
+    def _admitted(self) -> Quorum:
+        """Wait, as a joiner, to be admitted to a round after the last one closed."""
+        key = max(self.quorums.latest() + 1, self.quorums.next_key)
+        try:
+            return self.quorums.wait(key, Member(-1, True, 0, -1, self._full_settings()))
+        except Excluded:
+            self.quorums.next_key = key + 1
+            raise
 
     @torch.no_grad()
-    def join(self, driver: Any) -> None:
-        """Wait to be admitted to a round, take the job's state from a live peer and that round's outer step (or,
-        in the job's first round, everyone takes the first worker's weights)."""
-        me = {"round": -1, "joining": True, "samples": 0, "fragment": -1, "settings": self._settings(driver)}
-
-        def admitted() -> dict[str, Any]:
-            key = max(self.quorums.latest() + 1, self.quorums.next_key)
-            try:
-                return self.quorums.wait(key, me)
-            except Excluded:
-                self.quorums.next_key = key + 1
-                raise
-
-        while True:
-            try:
-                quorum = self._lead(admitted)
-            except Excluded:
-                continue
-            ok = self._run(driver, quorum, None) is not None
-            if self._verdict(quorum, ok):
-                self._done(driver, quorum, True)
-                return
-            self.retries += 1
-
-    # -- one round -------------------------------------------------------------------------------------------------
-
-    @staticmethod
-    def _roles(quorum: dict[str, Any]) -> tuple[list[dict], list[dict], int]:
-        """The members who heal, those who serve, and the fragment the round synchronizes (-1: none)."""
-        members = quorum["members"]
-        if quorum["first"]:
-            return members[1:], members[:1], -1
-        current = [m for m in members if not m["joining"]]
-        top = max(m["round"] for m in current)
-        sources = [m for m in current if m["round"] == top]
-        healed = [m for m in members if m not in sources]
-        return healed, sources, sources[0]["fragment"]
-
-    def _run(self, driver: Any, quorum: dict[str, Any], fragment: Any) -> Optional[bool]:
-        """Heal and average within ``quorum``; return whether this worker healed, or None when the round failed."""
-        ids = [m["id"] for m in quorum["members"]]
-        rank = ids.index(self.worker)
-        self._candidate = None
-        mine = self._settings(driver)
-        differ = {m["id"]: m.get("settings") for m in quorum["members"] if m.get("settings") != mine}
-        if differ:
-            raise SettingsDiffer(f"worker {self.worker!r} runs DiLoCo with {mine}, but {differ}: every worker of a "
-                                 "job needs the same sync_every, fragments, compression and outer step, and as "
-                                 "many ranks; restart the workers with one setting")
-        healed, sources, p = self._roles(quorum)
-        me_healed = self.worker in {m["id"] for m in healed}
-        start = time.monotonic()
-        try:
-            group = self._group_for(quorum, rank, len(ids))
-            for i, m in enumerate(healed):
-                src = sources[(i + quorum["key"]) % len(sources)]["id"]
-                if src == self.worker:
-                    serve_driver(driver, ids.index(m["id"]), group, self.optimizer, self.inner_state)
-                    self.served += 1
-                elif m["id"] == self.worker:
-                    heal_driver(driver, ids.index(src), group, self.optimizer)
-                    self.heal_seconds.append(time.monotonic() - start)
-            if p >= 0:
-                if not me_healed and fragment.index != p:
-                    raise ValueError(f"worker {self.worker!r} synchronizes fragment {fragment.index} while the "
-                                     f"others synchronize {p}: the workers' DiLoCo settings differ")
-                self._average(driver, driver.fragments[p], quorum, rank, group, me_healed, sources)
-        except (RuntimeError, ValueError, TimeoutError, OSError) as exc:
-            _log.warning("worker %r: round of quorum %d failed (%s); the survivors run it again", self.worker,
-                         quorum["key"], exc)
-            self._drop_group()
-            return None
-        self.exchange_seconds = (self.exchange_seconds + [time.monotonic() - start])[-16:]
-        return me_healed
-
-    def _average(self, driver: Any, fragment: Any, quorum: dict[str, Any], rank: int, group: Any, healed: bool,
-                 sources: list[dict]) -> None:
-        """Average the fragment's pseudo-gradient over the members, weighted by samples; healed members add 0."""
-        source_ids = {m["id"] for m in sources}
-        weights = [m["samples"] if m["id"] in source_ids else 0 for m in quorum["members"]]
-        delta = fragment.delta
-        n = len(weights)
-        codec = driver.hyper.compression
-        if codec != "none":
-            residual = None
-            if driver.error_feedback and not healed:
-                residual = self._residuals.get(fragment.index)
-                residual = torch.zeros_like(delta) if residual is None else residual
-            new = compressed_average(group, delta, weights, rank, codec, driver.hyper.block_size, residual,
-                                     self._exchange_timeout())
-            if new is not None:
-                self._candidate = (fragment.index, new)
-            driver.bytes_sent += wire_bytes(delta.numel(), codec, driver.hyper.block_size, n)
+    def allreduce(self, tensor: torch.Tensor) -> None:
+        """Average ``tensor`` over the round's members in place, weighted by their samples (a plain mean, bit for
+        bit a float32 allreduce's, when the weights are equal); a healed member contributes zeros. An error is
+        recorded (see :meth:`should_commit`), not raised; after one, nothing is sent."""
+        r = self._round
+        if r is None or self._error is not None:
             return
-        buf = delta if delta.device.type == "cpu" else delta.cpu()
-        timeout = datetime.timedelta(seconds=self._exchange_timeout())
-        if healed:
-            buf.zero_()
-        if all(w == weights[0] for w in weights):  # a plain average, bit for bit DiLoCo's without faults
-            group.allreduce([buf]).wait(timeout)
-            buf.div_(len(weights))
-        else:
-            buf.mul_(weights[rank] / max(1, sum(weights)))
-            group.allreduce([buf]).wait(timeout)
-        if buf is not delta:
-            delta.copy_(buf)
-        driver.bytes_sent += 2 * (n - 1) * 4 * delta.numel() // n
+        try:
+            buf = tensor if tensor.device.type == "cpu" else tensor.cpu()
+            timeout = datetime.timedelta(seconds=self._exchange_timeout())
+            if r.healed:
+                buf.zero_()
+            if r.equal_weights():
+                self._group.allreduce([buf]).wait(timeout)
+                buf.div_(r.size)
+            else:
+                buf.mul_(r.weights[r.rank] / max(1, sum(r.weights)))
+                self._group.allreduce([buf]).wait(timeout)
+            if buf is not tensor:
+                tensor.copy_(buf)
+        except ROUND_ERRORS as exc:
+            self.fail(exc)
 
-    def _done(self, driver: Any, quorum: dict[str, Any], healed: bool) -> bool:
-        """After an ``ok`` verdict: a healed worker takes the round's outer step itself (returns False)."""
+    def allgather(self, tensor: torch.Tensor) -> Optional[list[torch.Tensor]]:
+        """Every member's ``tensor`` (a CPU tensor of the same shape on every member), in member order; ``None``
+        after an error, which is recorded (see :meth:`should_commit`), not raised."""
+        r = self._round
+        if r is None or self._error is not None:
+            return None
+        try:
+            out = [torch.empty_like(tensor) for _ in range(r.size)]
+            self._group.allgather([out], [tensor]).wait(datetime.timedelta(seconds=self._exchange_timeout()))
+            return out
+        except ROUND_ERRORS as exc:
+            self.fail(exc)
+            return None
+
+    def fail(self, exc: BaseException) -> None:
+        """Record that this worker's part of the round failed (its verdict will be ``retry``)."""
+        if self._error is None:
+            quorum = self._round.quorum.key if self._round is not None else -1
+            _log.warning("worker %r: round of quorum %d failed (%s); the survivors run it again", self.worker,
+                         quorum, exc)
+            self._drop_group()
+        self._error = exc
+
+    def should_commit(self) -> bool:
+        """Report this worker's part of the round and return the round's verdict: ``True`` when every member holds
+        its result (commit it), ``False`` when the survivors must run it again (restore what the round changed)."""
+        r = self._round
+        assert r is not None, "should_commit() without start_round()"
+        ok = self._error is None
+        if ok:
+            self.exchange_seconds = (self.exchange_seconds + [time.monotonic() - self._started])[-16:]
+        if not self._verdict(r.quorum, ok):
+            self.retries += 1
+            return False
         self.rounds += 1
-        self.members = [m["id"] for m in quorum["members"]]
-        _, _, p = self._roles(quorum)
-        if not healed:
-            self._samples[p] = 0
-            if self._candidate is not None:  # the round is ok: its residual is this worker's now
-                self._residuals[self._candidate[0]] = self._candidate[1]
-            return True
-        self.heals += int(not quorum["first"] or self.members[0] != self.worker)
-        self._samples = {}
-        self._residuals = {}  # per-worker state starts empty after a heal
-        if p >= 0:
-            driver.finish_now(driver.fragments[p])
-        return False
+        self.members = r.quorum.ids
+        self._joining = False
+        if r.healed:
+            self.heals += 1
+            self._samples = {}
+        elif r.part >= 0:
+            self._samples[r.part] = 0
+        return True
+
+    def _full_settings(self) -> str:
+        return f"{self._settings} ranks={self.ranks.size if self.ranks is not None else 1}"
+
+    def _lead_quorum(self, fn: Callable[[], Quorum]) -> Quorum:
+        """Wait for a quorum on the coordinator: here, or on the worker's first rank, shared (as JSON) with its
+        other ranks."""
+        if self.ranks is None:
+            return fn()
+        return Quorum.from_json(self.ranks.share(lambda: fn().to_json()))
+
+    def _verdict(self, quorum: Quorum, ok: bool) -> bool:
+        """Report this worker's exchange (ok on every one of its ranks) and return the round's verdict."""
+        if self.ranks is None:
+            return self.quorums.report(quorum, ok)
+        ok = self.ranks.all_ok(ok)
+        return self.ranks.share(lambda: self.quorums.report(quorum, ok))
 
     # -- the round's group -----------------------------------------------------------------------------------------
 
@@ -356,18 +365,18 @@ class FaultTolerance:
             return self.exchange_timeout_s
         return max(30.0, 4 * max(self.exchange_seconds)) if self.exchange_seconds else 30.0
 
-    def _group_for(self, quorum: dict[str, Any], rank: int, size: int) -> Any:
+    def _group_for(self, quorum: Quorum, rank: int, size: int) -> Any:
         """The gloo group of exactly the quorum's members: the last one when the members are the same."""
-        if self._group is not None and self._epoch == quorum["epoch"]:
+        if self._group is not None and self._epoch == quorum.epoch:
             return self._group
         self._drop_group()
         opts = dist.ProcessGroupGloo._Options()
         opts._timeout = datetime.timedelta(seconds=self._exchange_timeout())
         opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.hostname)]
         shard = f"s{self.ranks.rank}/" if self.ranks is not None else ""  # a group per shard: its ranks of each member
-        store = dist.PrefixStore(f"{self.quorums.prefix}/pg/{quorum['epoch']}/{shard}", self.quorums.store)
+        store = dist.PrefixStore(f"{self.quorums.prefix}/pg/{quorum.epoch}/{shard}", self.quorums.store)
         self._group = dist.ProcessGroupGloo(store, rank, size, opts)
-        self._epoch = quorum["epoch"]
+        self._epoch = quorum.epoch
         return self._group
 
     def _drop_group(self) -> None:

@@ -24,14 +24,10 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from bagua.torch_api import communication as comm
-from bagua.torch_api.codecs.block_allreduce import block_allreduce_inplace
-from bagua.torch_api.codecs.block import wire_numel
-from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.codecs.compressed_allreduce import all_finite
 
 __all__ = ["FRAGMENT_LAYOUTS", "split_fragments", "sync_offsets", "due_fragments", "Fragment"]
@@ -118,7 +114,7 @@ class Fragment:
         # the pseudo-gradient, then its average (on the parameters' device: what the network sends)
         self.delta = torch.empty(self.numel, dtype=torch.float32, device=self.device)
         self.grad = self.delta if home == self.device else torch.empty_like(self.global_, pin_memory=pin)
-        self.workspace: Optional[object] = None  # the codec's buffers and error-feedback residuals
+        self.workspace: Optional[Any] = None  # the codec's buffers and error-feedback residuals (either exchange)
         self.pending: Optional[tuple[int, object]] = None  # (finish step, job) of an exchange in flight
 
     def _views(self, flat: torch.Tensor):
@@ -140,20 +136,13 @@ class Fragment:
             view.sub_(p)
         return self.delta
 
-    def exchange(self, c, compression: str, block_size: int, error_feedback: bool) -> int:
-        """Average :attr:`delta` over the communicator ``c`` in place (``"none"``: a float32 allreduce; otherwise
-        the block codec's scatter-reduce-gather, whose residuals live in :attr:`workspace`); return the bytes this
-        rank sent."""
-        n, r = c.nranks(), c.rank()
+    def exchange(self, over: Any, compression: str, block_size: int, error_feedback: bool) -> int:
+        """Average :attr:`delta` in place over ``over`` (an :class:`~bagua.torch_api.ops.diloco_exchange.OverRanks`
+        or :class:`~bagua.torch_api.ops.diloco_exchange.OverMembers`): in float32 (``"none"``), or through the
+        block codec, whose residuals live in :attr:`workspace`; return the bytes this rank sent."""
         if compression == "none":
-            comm.allreduce_inplace(self.delta, ReduceOp.AVG, c)
-            return 2 * (n - 1) * 4 * self.delta.numel() // n  # a ring allreduce's share
-        ws = self.workspace = block_allreduce_inplace(self.delta, c, compression, block_size, average=True,
-                                                      workspace=self.workspace, error_feedback=error_feedback,
-                                                      tag=self.index)
-        # this rank's encoded chunks to their owners, then its encoded share of the average to every peer
-        return sum(wire_numel(ws.bounds(j)[1] - ws.bounds(j)[0], compression, block_size)
-                   for j in range(n) if j != r) + (n - 1) * ws.slot
+            return over.average(self.delta)
+        return over.compressed_average(self, compression, block_size, error_feedback)
 
     def finish(self, timeout_s: float, alpha: float, owner: str) -> None:
         """Wait for the exchange in flight (if any), check the average is finite (the same verdict on every rank:

@@ -8,7 +8,17 @@ factory and the checkpoint of it all. Its callers only map their own events to i
 - :meth:`DiLoCoDriver.build` once the inner phases start (after the warm-up), over the parameters in order;
 - :meth:`DiLoCoDriver.count_step` at the end of each inner step (taken or skipped by ``GradScaler``);
 - :meth:`DiLoCoDriver.end_steps` once the optimizer has stepped (finish the exchanges due, start the ones due);
-- :meth:`DiLoCoDriver.state_dict` / :meth:`DiLoCoDriver.load_state_dict` and :meth:`DiLoCoDriver.close`.
+- :meth:`DiLoCoDriver.state_dict` / :meth:`DiLoCoDriver.load_state_dict` and :meth:`DiLoCoDriver.close`;
+- with fault tolerance, :meth:`DiLoCoDriver.join` once the fragments are built. Each exchange is then a round of the
+  :class:`~bagua.torch_api.fault.replica.FaultTolerance` communicator (:meth:`DiLoCoDriver._fault_round`: start the
+  round, average over its members, commit on its verdict), which heals a joiner through the driver's
+  :meth:`DiLoCoDriver.heal_state_dict` / :meth:`DiLoCoDriver.load_heal_state_dict`: the fault layer never reads
+  the driver.
+
+Both exchanges run one path, :meth:`~bagua.torch_api.ops.diloco.Fragment.exchange`, over the ranks
+(:class:`~bagua.torch_api.ops.diloco_exchange.OverRanks`) or over a round's members
+(:class:`~bagua.torch_api.ops.diloco_exchange.OverMembers`); either keeps its residuals in the fragment's
+``workspace``, which the checkpoint saves.
 
 :class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithmImpl` maps the Bagua engine's hooks to these moments,
 :class:`~bagua.torch_api.contrib.diloco_optimizer.DiLoCoOptimizer` its ``step()``; with the same hyper-parameters
@@ -31,7 +41,9 @@ from bagua.torch_api import env
 from bagua.torch_api.comm import hierarchy
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.codecs.workspace import make_workspace
+from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.ops.diloco import Fragment, due_fragments, split_fragments, sync_offsets
+from bagua.torch_api.ops.diloco_exchange import MemberResiduals, OverMembers, OverRanks
 from bagua.torch_api.ops.diloco_outer import resolve_outer
 
 __all__ = ["DiLoCoDriver", "Submit", "driver_property"]
@@ -58,10 +70,10 @@ class DiLoCoDriver:
 
     def __init__(self, hyper: Any, owner: str, communicator: Optional[BaguaCommunicator] = None,
                  group: Optional[BaguaProcessGroup] = None, hierarchical: bool = False,
-                 worker: Optional[Any] = None, fault: Optional[Any] = None) -> None:
+                 worker: Optional[Any] = None, fault: Optional[FaultTolerance] = None) -> None:
         # user hyper-parameters, "auto" outer settings resolved for the workers that average
         #: the replicas that average (the job's workers with fault tolerance): what "auto" outer settings use
-        self.workers = (fault.quorums.workers if fault is not None else communicator.nranks()
+        self.workers = (fault.workers if fault is not None else communicator.nranks()
                         if communicator is not None else len(group.ranks) if group is not None else 1)
         self.hyper = resolve_outer(hyper, self.workers)
         self.owner = owner
@@ -129,7 +141,7 @@ class DiLoCoDriver:
         if warm:
             self.processed = self.steps
         elif self.fault is not None:
-            self.fault.on_step(len(self.fragments))
+            self.fault.count_step(len(self.fragments))
 
     def end_steps(self) -> None:
         """Do the end-of-step work of every inner step counted and not yet processed: finish the exchanges due,
@@ -158,7 +170,7 @@ class DiLoCoDriver:
     def _start(self, fragment: Fragment, finish_step: int) -> bool:
         delta = fragment.pseudo_gradient()
         if self.fault is not None:  # inline, over the round's live workers
-            if not self.fault.exchange(self, fragment):
+            if not self._fault_round(fragment):
                 return False
             fragment.pending = (finish_step, None)
             return True
@@ -175,7 +187,7 @@ class DiLoCoDriver:
         """Average ``delta`` (the fragment's) over the ranks, in place (on the thread :attr:`submit` chose)."""
 
         def exchange(t: torch.Tensor, c: BaguaCommunicator) -> None:
-            self.bytes_sent += fragment.exchange(c, self.hyper.compression, self.hyper.block_size,
+            self.bytes_sent += fragment.exchange(OverRanks(c), self.hyper.compression, self.hyper.block_size,
                                                  self.error_feedback)
 
         if self.group is None:
@@ -207,7 +219,88 @@ class DiLoCoDriver:
         fragment.pending = (self.processed, None)
         self._finish(fragment)
 
+    # -- fault tolerance: rounds over the live workers, healing through the driver's own state ----------------
+
+    def settings_text(self) -> str:
+        """What every worker of a fault-tolerant job must share: the exchange's shape and the outer step ("auto"
+        resolved; each worker takes it on the same average, so different ones would part the weights)."""
+        h = self.hyper
+        outer = ("custom" if h.outer_optimizer is not None else
+                 f"lr={h.outer_lr} momentum={h.outer_momentum} nesterov={h.nesterov} lr_warmup={h.outer_lr_warmup}")
+        return (f"sync_every={h.sync_every} fragments={h.fragments} compression={h.compression} "
+                f"block_size={h.block_size} outer: {outer}")
+
+    def join(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
+        """Register the driver's state with the fault-tolerance communicator and join the job (the first worker's
+        weights at the start, a live peer's state later); ``optimizer``: the inner one, whose state heals too."""
+        assert self.fault is not None, "join() is for a driver with fault tolerance"
+        self.fault.register(self.heal_state_dict, self.load_heal_state_dict, self.settings_text(),
+                            needs="the same sync_every, fragments, compression and outer step", optimizer=optimizer)
+        self._fault_round(None)
+
+    def _fault_round(self, fragment: Optional[Fragment]) -> bool:
+        """Average ``fragment.delta`` over a round's live workers, retrying without those that fail; ``None``: join.
+
+        Returns False when this worker healed in the round instead (it was joining, or left out): it then holds a
+        peer's state (weights, counters) with that round's outer step taken, so the caller skips its own.
+        """
+        ft = self.fault
+        assert ft is not None
+        saved = fragment.delta.clone() if fragment is not None else None
+        while True:
+            rnd = ft.start_round(self.syncs, fragment.index if fragment is not None else -1)
+            if rnd.part >= 0:
+                if not rnd.healed and fragment is not None and fragment.index != rnd.part:
+                    ft.fail(ValueError(f"worker {ft.worker!r} synchronizes fragment {fragment.index} while the "
+                                       f"others synchronize {rnd.part}: the workers' DiLoCo settings differ"))
+                else:
+                    self.bytes_sent += self.fragments[rnd.part].exchange(
+                        OverMembers(ft, rnd), self.hyper.compression, self.hyper.block_size, self.error_feedback)
+            if ft.should_commit():
+                if rnd.healed:
+                    if rnd.part >= 0:
+                        self.finish_now(self.fragments[rnd.part])
+                    return False
+                if rnd.part >= 0 and isinstance(self.fragments[rnd.part].workspace, MemberResiduals):
+                    self.fragments[rnd.part].workspace.commit()  # the round is ok: its residual is ours now
+                return True
+            if fragment is not None and saved is not None:
+                fragment.delta.copy_(saved)
+
+    def heal_state_dict(self) -> dict[str, torch.Tensor]:
+        """What a joining worker takes from this one: :meth:`state_dict` (counters, global weights, outer optimizer
+        tensors, an exchange in flight) and ``syncs``, without the codec residuals (``*.codec.*``), which are this
+        worker's own."""
+        self._check_built()
+        state = {k: v for k, v in self.state_dict(("steps", "processed")).items() if ".codec." not in k}
+        state["syncs"] = torch.tensor(self.syncs)
+        return state
+
+    @torch.no_grad()
+    def load_heal_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Take a peer's :meth:`heal_state_dict`: start the per-rank state empty (no exchange in flight, residuals
+        at zero), load the counters, global weights and outer state, and set the weights to the global ones
+        (``x = g``)."""
+        self._check_built()
+        for fragment in self.fragments:
+            fragment.workspace = None  # a new workspace's residuals start at zero
+            fragment.pending = None
+        self.load_state_dict({k: v for k, v in state.items() if k != "syncs"})
+        self.syncs = int(state["syncs"])
+        for fragment in self.fragments:
+            offset = 0
+            for p in fragment.params:
+                p.copy_(fragment.global_[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def _check_built(self) -> None:
+        if not self.fragments:
+            raise ValueError(f"{self.owner}: the fragments are not built yet (still warming up, or before the first "
+                             "step): heal after the warm-up, at a synchronization")
+
     def _make_workspace(self, fragment: Fragment) -> object:
+        if self.fault is not None:
+            return MemberResiduals()
         c = self.communicator if self.group is None else hierarchy.exchange_communicator(self.group,
                                                                                           self.hierarchical)
         return make_workspace(self.hyper.compression, fragment.numel, c.nranks(), block_size=self.hyper.block_size)

@@ -166,8 +166,7 @@ class ShardedReplicas:
         self.driver.build([s for unit in locals_ for s in unit], units=[len(u) for u in locals_],
                           unit_bytes=[sum(b for _, b in unit) for unit in self.units])
         if self.fault is not None:  # join the job: the first worker's shards, or a live peer's, shard by shard
-            self.fault.optimizer = self.optimizer
-            self.fault.join(self.driver)
+            self.driver.join(self.optimizer)
 
     # -- the moments of a step ---------------------------------------------------------------------------------
 
