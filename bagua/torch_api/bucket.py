@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from bagua.torch_api import communication as comm
+from bagua.torch_api.codecs.registry import GlobalCodecRegistry
 from bagua.torch_api.ops.allreduce import centralized_full_precision_op
 from bagua.torch_api.ops.async_average import AsyncModelAverageOp
 from bagua.torch_api.ops.base import AsyncHandle, BucketOp, FunctionOp
@@ -279,14 +280,20 @@ class BaguaBucket:
     ) -> "BaguaBucket":
         """Append an allreduce of the bucket over ``group`` (see :func:`centralized_full_precision_op`).
 
-        ``compression="MinMaxUInt8"`` gives ByteGrad's 8-bit scatter-reduce-gather.
+        ``compression`` names a gradient codec of the codec registry (:mod:`~bagua.torch_api.codecs.registry`):
+        ``"MinMaxUInt8"`` (the original's name, an alias of ``"chunk"``) gives ByteGrad's 8-bit
+        scatter-reduce-gather, ``"uint8"`` / ``"uint4"`` its block-wise codes (see
+        :func:`~bagua.torch_api.ops.compressed.centralized_low_precision_op`).
         """
         group = group or comm._get_default_group()
         if compression is None:
             return self.append_op(centralized_full_precision_op(group, hierarchical, average, scattergather))
-        if compression == "MinMaxUInt8":
-            return self.append_op(centralized_low_precision_op(group, hierarchical, average))
-        raise ValueError(f"unknown compression {compression!r}; available: None, 'MinMaxUInt8'")
+        try:
+            codec = GlobalCodecRegistry.get(compression, for_gradients=True).name
+        except ValueError:
+            raise ValueError(f"unknown compression {compression!r}; available: None (float32), "
+                             f"{GlobalCodecRegistry.listing(for_gradients=True, near=compression)}") from None
+        return self.append_op(centralized_low_precision_op(group, hierarchical, average, codec=codec))
 
     # The original's decentralized appenders; their ops live in ops/decentralized.py and ops/async_average.py,
     # shared with the built-in algorithms (see docs/writing_algorithms.md).
@@ -313,8 +320,9 @@ class BaguaBucket:
         tensors of the bucket's size, equal on every rank at the start, updated in place and kept as
         ``bucket._weight``, ``_left_peer_weight``, ``_right_peer_weight``. Returns the op.
         """
-        if compression != "MinMaxUInt8":
-            raise ValueError(f"unknown compression {compression!r}; available: 'MinMaxUInt8'")
+        if compression not in ("MinMaxUInt8", "chunk", "minmax_uint8"):
+            raise ValueError(f"unknown compression {compression!r}; available: 'MinMaxUInt8' (alias 'chunk', "
+                             "'minmax_uint8')")
         replicas = Replicas(weight, left_peer_weight, right_peer_weight)
         op = LowPrecisionDecentralizedOp(group or comm._get_default_group(), replicas, hierarchical)
         self._weight, self._left_peer_weight, self._right_peer_weight = weight, left_peer_weight, right_peer_weight

@@ -108,7 +108,8 @@ class ByteGradAlgorithmImpl(AlgorithmImpl):
         super().__init__(process_group)
         # user settings
         self.hierarchical, self.average, self.error_feedback = hierarchical, average, error_feedback
-        self.nonfinite, self.codec, self.block_size, self.grad_scaler = nonfinite, codec, block_size, grad_scaler
+        self.nonfinite, self.block_size, self.grad_scaler = nonfinite, block_size, grad_scaler
+        self.codec = check_codec("ByteGradAlgorithm", codec, block_size)  # an alias becomes the codec's name
         # internal state
         self._verdicts = FiniteVerdicts()
         self._ops: dict[str, CentralizedLowPrecisionOp] = {}  # bucket name -> its op (which holds the residuals)
@@ -187,7 +188,9 @@ class ByteGradAlgorithm(Algorithm):
             plain optimizer skips the step; not for GradScaler, which needs the non-finite values to see the
             overflow) or ``"ignore"`` (nothing, residuals included). Except with ``"ignore"``, the error-feedback
             residuals keep their values from before that step.
-        codec: ``"chunk"`` (the default: one min/max per rank chunk, the original's code), ``"uint8"`` (one min/max
+        codec: a gradient codec of the codec registry (:mod:`~bagua.torch_api.codecs.registry`; an alias such as
+            ``"MinMaxUInt8"`` gives the same codec): ``"chunk"`` (the default: one min/max per rank chunk, the
+            original's code), ``"uint8"`` (one min/max
             per block of ``block_size`` elements: every tensor keeps its resolution, for 8 bytes per block more) or
             ``"uint4"`` (block-wise, 4 bits per value: half the bytes of ``"uint8"``, for very slow links; coarser,
             pair it with ``error_feedback=True``). See the module docstring for the bounds.
@@ -214,7 +217,7 @@ class ByteGradAlgorithm(Algorithm):
         for name in ("hierarchical", "average", "error_feedback"):
             check_bool("ByteGradAlgorithm", name, getattr(self, name))
         check_choice("ByteGradAlgorithm", "nonfinite", self.nonfinite, NONFINITE_POLICIES)
-        check_codec("ByteGradAlgorithm", self.codec, self.block_size)
+        self.codec = check_codec("ByteGradAlgorithm", self.codec, self.block_size)  # an alias becomes its name
         if self.grad_scaler is not None and not callable(getattr(self.grad_scaler, "get_scale", None)):
             raise ValueError(f"ByteGradAlgorithm(grad_scaler=...) must be a torch.amp.GradScaler (something with "
                              f"get_scale()), got {type(self.grad_scaler).__name__}")

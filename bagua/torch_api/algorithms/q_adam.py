@@ -232,7 +232,7 @@ class QAdamAlgorithmImpl(AlgorithmImpl):
         self.optimizer = q_adam_optimizer
         self.warmup_steps = q_adam_optimizer.warmup_steps
         self.hierarchical = hierarchical
-        self.codec = codec
+        self.codec = check_codec("QAdamAlgorithm", codec, block_size)  # an alias becomes the codec's name
         self.block_size = block_size
         # internal state: the stage the tensors and buckets were built for
         self.compressing = False
@@ -367,7 +367,8 @@ class QAdamAlgorithm(Algorithm):
         q_adam_optimizer: the :class:`QAdamOptimizer` stepping the model (it holds the warmup length).
         hierarchical: after the warmup, average inside each node in float32 and compress only among node
             leaders.
-        codec: the code of the momenta, as ``ByteGradAlgorithm(codec=...)``: ``"chunk"`` (the default: one
+        codec: the code of the momenta, a gradient codec of the codec registry, as
+            ``ByteGradAlgorithm(codec=...)``: ``"chunk"`` (the default: one
             min/max per rank chunk), ``"uint8"`` (one min/max per block of ``block_size`` elements, so that small
             tensors keep their resolution) or ``"uint4"``.
             The momenta are unscaled (they are updated after ``GradScaler.unscale_``), and QAdam keeps no
@@ -391,7 +392,7 @@ class QAdamAlgorithm(Algorithm):
                 "create it with bagua.torch_api.algorithms.q_adam.QAdamOptimizer(model.parameters(), ...)"
             )
         check_bool("QAdamAlgorithm", "hierarchical", self.hierarchical)
-        check_codec("QAdamAlgorithm", self.codec, self.block_size)
+        self.codec = check_codec("QAdamAlgorithm", self.codec, self.block_size)  # an alias becomes its name
 
     def reify(self, process_group: BaguaProcessGroup) -> QAdamAlgorithmImpl:
         return QAdamAlgorithmImpl(process_group, self.q_adam_optimizer, hierarchical=self.hierarchical,

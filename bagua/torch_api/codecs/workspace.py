@@ -2,7 +2,8 @@
 
 The bucket operation of ByteGrad (:func:`~bagua.torch_api.ops.compressed.centralized_low_precision_op`), the DDP
 hook (:class:`~bagua.torch_api.contrib.ddp_hooks.ByteGradState`) and DiLoCo's drivers keep a workspace per bucket
-or fragment: :func:`make_workspace` builds it for a codec name, and :func:`compressed_allreduce_inplace` runs the
+or fragment: :func:`make_workspace` builds it for a codec name (through the codec registry,
+:mod:`~bagua.torch_api.codecs.registry`), and :func:`compressed_allreduce_inplace` runs the
 collective of its type, so that callers do not branch on the codec. Both workspace types share the rest of their
 interface: ``device``, ``bytes_sent()``, ``state_dict()`` / ``load_state_dict()``, ``rollback()``,
 ``follow_scale()``.
@@ -21,10 +22,10 @@ from typing import Callable, Optional, Union
 
 import torch
 
-from bagua.torch_api.codecs.block import CODECS as BLOCK_CODECS
 from bagua.torch_api.codecs.block import DEFAULT_BLOCK
 from bagua.torch_api.codecs.block_allreduce import BlockWorkspace, block_allreduce_inplace
 from bagua.torch_api.codecs.compressed_allreduce import Workspace, low_precision_allreduce_inplace
+from bagua.torch_api.codecs.registry import GlobalCodecRegistry
 from bagua.torch_api.comm.process_group import BaguaCommunicator
 
 __all__ = ["AnyWorkspace", "make_workspace", "compressed_allreduce_inplace"]
@@ -45,8 +46,8 @@ def make_workspace(
     """Build the workspace of one tensor's compressed allreduce with ``codec``.
 
     Args:
-        codec: ``"chunk"`` (MinMaxUInt8, one min/max per rank chunk) or one of
-            :data:`~bagua.torch_api.codecs.block.CODECS`.
+        codec: a name (or alias) of :data:`~bagua.torch_api.codecs.registry.GlobalCodecRegistry`: ``"chunk"``
+            (MinMaxUInt8, one min/max per rank chunk), ``"bf16"``, ``"uint8"``, ``"uint4"`` or ``"nf2"``.
         numel: elements of the flat tensor.
         nranks: ranks of the communicator.
         device: the tensor's device; required by ``"chunk"``, which allocates its buffers now (the block codecs
@@ -65,14 +66,7 @@ def make_workspace(
         >>> make_workspace("uint8", 100, 2, error_feedback=True).keep_previous
         True
     """
-    if codec == "chunk":
-        if device is None:
-            raise ValueError("make_workspace('chunk', ...) allocates its buffers now: pass the tensor's device")
-        return Workspace(numel, nranks, device, error_feedback)
-    if codec not in BLOCK_CODECS:
-        raise ValueError(f"unknown codec {codec!r}; available: 'chunk', {', '.join(map(repr, BLOCK_CODECS))}")
-    keep = error_feedback if keep_previous is None else keep_previous
-    return BlockWorkspace(numel, nranks, codec, block_size, keep_previous=keep)
+    return GlobalCodecRegistry.get(codec).workspace(numel, nranks, device, block_size, error_feedback, keep_previous)
 
 
 def compressed_allreduce_inplace(flat: torch.Tensor, workspace: AnyWorkspace, c: BaguaCommunicator, *,

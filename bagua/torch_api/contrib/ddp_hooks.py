@@ -51,6 +51,7 @@ from bagua.torch_api.algorithms.checks import check_bool
 from bagua.torch_api.codecs.block import DEFAULT_BLOCK
 from bagua.torch_api.codecs.compressed_allreduce import all_finite
 from bagua.torch_api.codecs.workspace import AnyWorkspace, compressed_allreduce_inplace, make_workspace
+from bagua.torch_api.ops.compressed import CODECS as GRADIENT_CODECS
 from bagua.torch_api.ops.compressed import check_codec
 from bagua.torch_api.comm.own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.comm.worker import CommJob, CommWorker
@@ -62,7 +63,7 @@ logger = logging.getLogger(__name__)
 
 #: Codecs of :class:`ByteGradState`, as ``ByteGradAlgorithm(codec=...)``: ``"chunk"`` (8 bits per value, a min/max
 #: per rank chunk; ``"minmax_uint8"`` is its former name here), ``"uint8"`` and ``"uint4"`` (a min/max per block).
-CODECS = ("chunk", "uint8", "uint4")
+CODECS = GRADIENT_CODECS
 
 
 class ByteGradState:
@@ -80,9 +81,10 @@ class ByteGradState:
             (and the chunk owners' error of the second quantization likewise; EF-SGD,
             https://arxiv.org/abs/1901.09847); costs a float32 copy of the gradients. DDP rebuilds its buckets once,
             after the first iteration: the residuals restart then.
-        codec: ``"chunk"`` (the default: ByteGrad's original code, one min/max per rank chunk; ``"minmax_uint8"``
-            is accepted as its former name), ``"uint8"`` (one min/max per block of ``block_size`` elements) or
-            ``"uint4"`` (block-wise, 4 bits per value); see :mod:`~bagua.torch_api.algorithms.bytegrad`.
+        codec: a gradient codec of the codec registry: ``"chunk"`` (the default: ByteGrad's original code, one
+            min/max per rank chunk; ``"minmax_uint8"`` and ``"MinMaxUInt8"`` are its aliases), ``"uint8"`` (one
+            min/max per block of ``block_size`` elements) or ``"uint4"`` (block-wise, 4 bits per value); see
+            :mod:`~bagua.torch_api.algorithms.bytegrad`.
         block_size: elements per block of ``"uint8"``/``"uint4"`` (even).
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, with error feedback: when its scale changes the
             residuals (kept in units of scaled gradients) are multiplied by ``new_scale / old_scale``.
@@ -108,8 +110,7 @@ class ByteGradState:
     def __init__(self, process_group: Any = None, error_feedback: bool = False, codec: str = "chunk",
                  block_size: int = DEFAULT_BLOCK, grad_scaler: Any = None) -> None:
         check_bool("ByteGradState", "error_feedback", error_feedback)
-        codec = "chunk" if codec == "minmax_uint8" else codec
-        check_codec("ByteGradState", codec, block_size)
+        codec = check_codec("ByteGradState", codec, block_size)  # an alias ("minmax_uint8", "MinMaxUInt8") -> "chunk"
         self.process_group = process_group
         self.error_feedback = error_feedback
         self.codec = codec

@@ -26,6 +26,7 @@ import torch
 from bagua.torch_api.comm import hierarchy
 from bagua.torch_api.codecs.block import DEFAULT_BLOCK
 from bagua.torch_api.codecs.compressed_allreduce import Workspace, all_finite, bucket_tag
+from bagua.torch_api.codecs.registry import GlobalCodecRegistry
 from bagua.torch_api.codecs.workspace import AnyWorkspace, compressed_allreduce_inplace, make_workspace
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.ops.base import BucketOp
@@ -33,29 +34,31 @@ from bagua.torch_api.interfaces import Bucket
 
 __all__ = ["CODECS", "CentralizedLowPrecisionOp", "check_codec", "centralized_low_precision_op"]
 
-#: The codecs of :func:`centralized_low_precision_op`: ``"chunk"`` (MinMaxUInt8 with one min/max per rank chunk,
-#: the original's, :mod:`~bagua.torch_api.codecs.compressed_allreduce`) and the block-wise ``"uint8"`` and ``"uint4"`` of
-#: :mod:`~bagua.torch_api.codecs.block` (one min/max per block of ``block_size`` elements, through
+#: The codecs of :func:`centralized_low_precision_op`, those of the codec registry offered for gradients
+#: (:mod:`~bagua.torch_api.codecs.registry`): ``"chunk"`` (MinMaxUInt8 with one min/max per rank chunk, the
+#: original's, :mod:`~bagua.torch_api.codecs.compressed_allreduce`) and the block-wise ``"uint8"`` and ``"uint4"``
+#: of :mod:`~bagua.torch_api.codecs.block` (one min/max per block of ``block_size`` elements, through
 #: :func:`~bagua.torch_api.codecs.block_allreduce.block_allreduce_inplace`).
-CODECS = ("chunk", "uint8", "uint4")
+CODECS = tuple(GlobalCodecRegistry.available(for_gradients=True))
 
 
-def check_codec(owner: str, codec: object, block_size: object) -> None:
-    """Raise ``ValueError`` unless ``codec`` is one of :data:`CODECS` and ``block_size`` a positive even integer.
+def check_codec(owner: str, codec: object, block_size: object) -> str:
+    """Return the registered name of the gradient codec ``codec`` (an alias such as ``"MinMaxUInt8"`` gives
+    ``"chunk"``); raise ``ValueError`` unless it is one of :data:`CODECS` and ``block_size`` a positive even integer.
 
     Example:
-        >>> check_codec("ByteGradAlgorithm", "uint8", 4096)
+        >>> check_codec("ByteGradAlgorithm", "uint8", 4096), check_codec("ByteGradAlgorithm", "MinMaxUInt8", 4096)
+        ('uint8', 'chunk')
     """
-    if codec not in CODECS:
-        raise ValueError(
-            f"{owner}(codec={codec!r}) is not a codec; available: 'chunk' (MinMaxUInt8, one min/max per rank chunk: "
-            "the original's), 'uint8' (one min/max per block of block_size elements) or 'uint4' (4 bits per value, "
-            "block-wise, for very slow links)"
-        )
+    try:
+        name = GlobalCodecRegistry.get(codec, for_gradients=True).name  # type: ignore[arg-type]
+    except ValueError:
+        raise ValueError(f"{owner}(codec={codec!r}) is not a codec; "
+                         f"available: {GlobalCodecRegistry.listing(for_gradients=True, near=codec)}") from None
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
         raise ValueError(f"{owner}(block_size={block_size!r}) must be a positive even integer, elements per block of "
                          f"the 'uint8'/'uint4' codecs (default {DEFAULT_BLOCK})")
-
+    return name
 
 
 class CentralizedLowPrecisionOp(BucketOp):
@@ -77,7 +80,7 @@ class CentralizedLowPrecisionOp(BucketOp):
             bucket's result holds only finite values (read from the 8-bit headers where possible, see
             :meth:`~bagua.torch_api.codecs.minmax_uint8.ChunkParams.decodes_finite`). Every rank decodes the same bytes,
             so every rank reaches the same verdict.
-        codec: one of :data:`CODECS`.
+        codec: one of :data:`CODECS`, or an alias of one (``"MinMaxUInt8"``).
         block_size: elements per block of the block-wise codecs.
         grad_scale: with error feedback, returns the scale of this step's gradients (``GradScaler.get_scale()``,
             read on the training thread); when it changes, the residuals (kept in units of scaled gradients) are
@@ -91,7 +94,7 @@ class CentralizedLowPrecisionOp(BucketOp):
                  error_feedback: bool = False, on_finite: Optional[Callable[[str, bool], None]] = None,
                  codec: str = "chunk", block_size: int = DEFAULT_BLOCK,
                  grad_scale: Optional[Callable[[], float]] = None) -> None:
-        check_codec("centralized_low_precision_op", codec, block_size)
+        codec = check_codec("centralized_low_precision_op", codec, block_size)
         self.group, self.hierarchical, self.average = group, hierarchical, average
         self.error_feedback, self.on_finite, self.grad_scale = error_feedback, on_finite, grad_scale
         self.codec, self.block_size = codec, block_size

@@ -1,0 +1,166 @@
+"""One codec registry (bagua/torch_api/codecs/registry.py): its names and aliases, loud duplicates, the listing error
+of every compressing entry point, and each gradient codec through the bucket API and ByteGrad/QAdam against the plain
+references of test_bytegrad (MinMaxUInt8 per rank chunk) and test_bytegrad_codecs (block codecs); an alias gives
+results bit-identical to its name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from bagua.torch_api.codecs.block_allreduce import BlockWorkspace
+from bagua.torch_api.codecs.compressed_allreduce import Workspace
+from bagua.torch_api.codecs.registry import CodecRegistry, GlobalCodecRegistry, resolve_codec
+from bagua.torch_api.codecs.workspace import make_workspace
+from tests.harness import run_workers
+from tests.torch_api.models import Net, batch, params_of
+from tests.torch_api.test_bytegrad import _all_gather, _RefByteGrad
+from tests.torch_api.test_bytegrad_codecs import RefBlockByteGrad
+
+ALIASES = {"MinMaxUInt8": "chunk", "minmax_uint8": "chunk"}
+GRADIENT_CODECS = ["chunk", "uint8", "uint4"]
+
+
+def test_the_registry_names_every_codec_once():
+    assert GlobalCodecRegistry.available() == ["chunk", "bf16", "uint8", "uint4", "nf2"]
+    assert GlobalCodecRegistry.available(for_gradients=True) == GRADIENT_CODECS
+    for alias, name in ALIASES.items():
+        assert resolve_codec(alias) is resolve_codec(name)
+    assert [resolve_codec(n).block_codec for n in GlobalCodecRegistry] == [None, "bf16", "uint8", "uint4", "nf2"]
+
+
+def test_register_works_as_a_decorator_and_refuses_duplicates():
+    registry = CodecRegistry()
+
+    @registry.register("mine", description="a test codec", aliases=("MINE",))
+    def factory(*args):
+        return args
+
+    assert factory(1) == (1,) and registry.get("MINE").workspace is factory and registry.canonical("MINE") == "mine"
+    for name, aliases in (("mine", ()), ("other", ("MINE",)), ("MINE", ())):
+        with pytest.raises(ValueError, match="already registered .for 'mine'.; pick another name"):
+            registry.register(name, factory, description="again", aliases=aliases)
+
+
+@pytest.mark.parametrize("name", [*GlobalCodecRegistry.available(), *ALIASES])
+def test_every_name_builds_its_workspace(name):
+    ws = make_workspace(name, 1000, 2, torch.device("cpu"), block_size=64, error_feedback=True)
+    spec = resolve_codec(name)
+    if spec.chunked:
+        assert isinstance(ws, Workspace) and ws.residual is not None
+    else:
+        assert isinstance(ws, BlockWorkspace) and (ws.codec, ws.block_size) == (spec.block_codec, 64)
+
+
+def _bucket_api_error(name):
+    from bagua.torch_api.bucket import BaguaBucket
+    from bagua.torch_api.tensor import weight_tensor
+
+    bucket = BaguaBucket([weight_tensor(torch.nn.Parameter(torch.ones(4)), "w")], name="0")
+    bucket.append_centralized_synchronous_op(compression=name, group=object())
+
+
+def _entry_points():
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+    from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+    from bagua.torch_api.contrib.ddp_hooks import ByteGradState
+    from bagua.torch_api.ops.compressed import centralized_low_precision_op
+
+    opt = QAdamOptimizer(torch.nn.Linear(2, 2).parameters())
+    return {
+        "make_workspace": (lambda n: make_workspace(n, 10, 2, torch.device("cpu")), "unknown codec 'int8'"),
+        "ByteGradAlgorithm": (lambda n: ByteGradAlgorithm(codec=n), "ByteGradAlgorithm.codec='int8'. is not a codec"),
+        "QAdamAlgorithm": (lambda n: QAdamAlgorithm(opt, codec=n), "QAdamAlgorithm.codec='int8'. is not a codec"),
+        "ByteGradState": (lambda n: ByteGradState(codec=n), "ByteGradState.codec='int8'. is not a codec"),
+        "op": (lambda n: centralized_low_precision_op(None, codec=n), "op.codec='int8'. is not a codec"),
+        "bucket": (_bucket_api_error, "unknown compression 'int8'; available: None .float32., 'chunk'"),
+    }
+
+
+@pytest.mark.parametrize("entry", ["make_workspace", "ByteGradAlgorithm", "QAdamAlgorithm", "ByteGradState", "op",
+                                   "bucket"])
+def test_an_unknown_name_lists_the_available_ones(entry):
+    make, message = _entry_points()[entry]
+    with pytest.raises(ValueError, match=message) as error:
+        make("int8")
+    text = str(error.value)
+    assert "'chunk' (MinMaxUInt8" in text and "'uint8'" in text and "'uint4'" in text and "'MinMaxUInt8' for" in text
+    assert text.endswith("Did you mean 'uint8'?")
+
+
+def test_aliases_become_the_codec_name_on_every_algorithm():
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+    from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+    from bagua.torch_api.contrib.ddp_hooks import ByteGradState
+
+    opt = QAdamOptimizer(torch.nn.Linear(2, 2).parameters())
+    for alias in ALIASES:
+        assert ByteGradAlgorithm(codec=alias) == ByteGradAlgorithm(codec="chunk")
+        assert QAdamAlgorithm(opt, codec=alias).codec == "chunk"
+        assert ByteGradState(codec=alias).codec == "chunk"
+
+
+# -- the bucket API with every gradient codec, against the plain references ------------------------------------
+
+
+def _worker_bucket_api(rank, world_size):
+    from bagua.torch_api import communication as comm
+    from bagua.torch_api.bucket import BaguaBucket
+    from bagua.torch_api.tensor import weight_tensor
+
+    group = comm._get_default_group()
+    torch.manual_seed(rank)
+    values = [torch.randn(3000) * (10 ** k) for k in range(3)]  # three scales: block and chunk codes differ
+    results = {}
+    for name in [*GRADIENT_CODECS, *ALIASES]:
+        tensors = [weight_tensor(torch.nn.Parameter(v.clone()), f"{name}.{i}") for i, v in enumerate(values)]
+        bucket = BaguaBucket(tensors, name=name, alignment=world_size)
+        bucket.append_centralized_synchronous_op(compression=name, group=group)
+        bucket.execute()
+        results[name] = bucket.flat.clone()
+    flats = _all_gather(torch.cat(values))
+    spec = resolve_codec
+    refs = {n: (_RefByteGrad(False) if spec(n).chunked else RefBlockByteGrad(spec(n).block_codec, 4096, False))(
+        0, flats) for n in GRADIENT_CODECS}
+    return results, refs
+
+
+def test_the_bucket_api_runs_every_gradient_codec_and_its_aliases():
+    for results, refs in run_workers(_worker_bucket_api, 2):
+        for name in GRADIENT_CODECS:
+            assert_close(results[name], refs[name], rtol=0, atol=0, msg=name)
+        for alias, name in ALIASES.items():
+            assert torch.equal(results[alias], results[name]), alias
+
+
+# -- ByteGrad and QAdam: an alias trains bit for bit like its name ------------------------------------------------
+
+
+def _worker_alias_training(rank, world_size, algorithm_name, codec):
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+    from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+
+    torch.manual_seed(0)
+    model = Net()
+    if algorithm_name == "qadam":
+        opt = QAdamOptimizer(model.parameters(), lr=0.01, warmup_steps=2)
+        algorithm = QAdamAlgorithm(opt, hierarchical=False, codec=codec)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        algorithm = ByteGradAlgorithm(hierarchical=False, error_feedback=True, codec=codec)
+    model = model.with_bagua([opt], algorithm)
+    for step in range(5):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return params_of(model)
+
+
+@pytest.mark.parametrize("algorithm_name", ["bytegrad", "qadam"])
+def test_an_alias_trains_bit_for_bit_like_its_name(algorithm_name):
+    by_name = run_workers(_worker_alias_training, 2, algorithm_name, "chunk")
+    by_alias = run_workers(_worker_alias_training, 2, algorithm_name, "MinMaxUInt8")
+    for a, b in zip(by_name, by_alias):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))
