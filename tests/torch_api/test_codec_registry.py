@@ -164,3 +164,39 @@ def test_an_alias_trains_bit_for_bit_like_its_name(algorithm_name):
     by_alias = run_workers(_worker_alias_training, 2, algorithm_name, "MinMaxUInt8")
     for a, b in zip(by_name, by_alias):
         assert all(torch.equal(p, q) for p, q in zip(a, b))
+
+
+# -- the all-gather pattern, against the plain maths (single process: the all-gather is a list) -------------------
+
+
+@pytest.mark.parametrize("codec", ["bf16", "uint8", "uint4", "nf2"])
+def test_the_allgather_pattern_averages_the_decoded_wires_in_member_order(codec):
+    from bagua.torch_api.codecs.workspace import allgather_average
+    from tests.torch_api.test_block_allreduce import _dq
+
+    from bagua.torch_api.codecs.block import encode
+
+    block = 64
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1000, generator=g) * (m + 1) for m in range(3)]
+
+    def all_gather(wire):  # member 0 calls; members 1 and 2 send their tensors encoded
+        return [wire, *(encode(x, codec, block) for x in xs[1:])]
+
+    average, own = allgather_average(xs[0], codec, all_gather, block)
+    expected = _dq(xs[0], codec, block)
+    for x in xs[1:]:
+        expected = expected + _dq(x, codec, block)
+    assert_close(average, expected / 3, rtol=0, atol=0)  # the same float32 sums in the same order
+    weighted, _ = allgather_average(xs[0], codec, all_gather, block, weights=[2, 0, 1])
+    # add_(alpha=) may fuse the multiply-add: a float32 rounding apart
+    assert_close(weighted, _dq(xs[0], codec, block) * (2 / 3) + _dq(xs[2], codec, block) * (1 / 3))
+    assert allgather_average(xs[0], codec, lambda wire: None, block) is None
+    assert own.dtype == torch.uint8
+
+
+def test_the_allgather_pattern_names_the_block_codecs_for_the_chunk_code():
+    from bagua.torch_api.codecs.workspace import allgather_average
+
+    with pytest.raises(ValueError, match="takes a block codec, not 'MinMaxUInt8'; available: 'bf16', 'uint8'"):
+        allgather_average(torch.ones(4), "MinMaxUInt8", lambda wire: [wire])

@@ -154,6 +154,19 @@ class BlockWorkspace(ErrorFeedbackResiduals):
         self.residual = state["residual"].detach().to(device, torch.float32, copy=True)
         self.server_residual = state["server_residual"].detach().to(device, torch.float32, copy=True)
 
+    def allreduce_inplace(self, flat: torch.Tensor, c: BaguaCommunicator, *, average: bool = True,
+                          error_feedback: bool = False, tag: int = 0, source: Optional[object] = None) -> None:
+        """Run :func:`block_allreduce_inplace` on ``flat`` (any float dtype: computed on a float32 copy of another
+        and copied back) with this workspace. Returns ``None``: read the result for a finite verdict (a block
+        holding a NaN or an Inf decodes to NaN on every rank)."""
+        if source is not None:
+            raise ValueError("source= reads the input in pieces for the 'chunk' codec only")
+        x = flat if flat.dtype == torch.float32 else flat.float()
+        block_allreduce_inplace(x, c, self.codec, self.block_size, average, self, error_feedback, tag)
+        if x is not flat:
+            flat.copy_(x)
+        return None
+
     def _prepare(self, device: torch.device, error_feedback: bool) -> None:
         if self.send is None or self.send.device != device:
             self.send = torch.zeros(self.nranks * self.slot, dtype=torch.uint8, device=device)

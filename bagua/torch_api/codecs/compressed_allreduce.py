@@ -142,6 +142,18 @@ class Workspace(ErrorFeedbackResiduals):
         self.residual.copy_(state["residual"])
         self.server_residual.copy_(state["server_residual"])
 
+    def allreduce_inplace(self, flat: torch.Tensor, c: BaguaCommunicator, *, average: bool = True,
+                          error_feedback: bool = False, tag: int = 0,
+                          source: Optional[Callable[[int, int], list[torch.Tensor]]] = None) -> Optional[bool]:
+        """Run :func:`low_precision_allreduce_inplace` on ``flat`` with this workspace; return its finite verdict.
+
+        ``error_feedback`` must agree with how the workspace was built (it allocates its residuals up front).
+        """
+        if error_feedback != (self.residual is not None):
+            raise ValueError(f"error_feedback={error_feedback}, but the workspace was built with"
+                             f"{'' if self.residual is not None else 'out'} error feedback")
+        return low_precision_allreduce_inplace(flat, c, average, self, source=source, tag=tag)
+
 
 class _ChunkCodec(SegmentCodec):
     """MinMaxUInt8 with one header per rank chunk, for :func:`scatter_reduce_gather`: the chunks are the rows of

@@ -1,12 +1,19 @@
-"""One factory for the compressed allreduces' workspaces, and one allreduce that runs whichever codec it was made for.
+"""The compressed collective of every codec: one factory for its workspaces, and its two patterns.
+
+- **Scatter-reduce-gather** (:func:`compressed_allreduce_inplace`): each rank encodes one chunk per peer, the
+  chunk's owner decodes, sums and re-encodes it, and the reduced chunks are all-gathered; every element is
+  quantized twice and a rank sends ``2 (n-1) / n`` of the encoded tensor. ByteGrad, QAdam, the DDP hook and
+  DiLoCo over ranks. Each workspace runs its own code's schedule (``workspace.allreduce_inplace``), so callers do
+  not branch on the codec.
+- **All-gather** (:func:`allgather_average`): each member encodes its tensor once, the wires are all-gathered and
+  every member decodes and sums them in member order; nothing is re-quantized, so a round that fails leaves
+  nothing half-reduced (fault-tolerant rounds, where the membership is a quorum's and contributions are weighted).
 
 The bucket operation of ByteGrad (:func:`~bagua.torch_api.ops.compressed.centralized_low_precision_op`), the DDP
 hook (:class:`~bagua.torch_api.contrib.ddp_hooks.ByteGradState`) and DiLoCo's drivers keep a workspace per bucket
 or fragment: :func:`make_workspace` builds it for a codec name (through the codec registry,
-:mod:`~bagua.torch_api.codecs.registry`), and :func:`compressed_allreduce_inplace` runs the
-collective of its type, so that callers do not branch on the codec. Both workspace types share the rest of their
-interface: ``device``, ``bytes_sent()``, ``state_dict()`` / ``load_state_dict()``, ``rollback()``,
-``follow_scale()``.
+:mod:`~bagua.torch_api.codecs.registry`). Both workspace types share the rest of their interface: ``device``,
+``bytes_sent()``, ``state_dict()`` / ``load_state_dict()``, ``rollback()``, ``follow_scale()``.
 
 Example:
     >>> ws = make_workspace("uint4", 10_000, 2)
@@ -18,17 +25,17 @@ Example:
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from bagua.torch_api.codecs.block import DEFAULT_BLOCK
-from bagua.torch_api.codecs.block_allreduce import BlockWorkspace, block_allreduce_inplace
-from bagua.torch_api.codecs.compressed_allreduce import Workspace, low_precision_allreduce_inplace
+from bagua.torch_api.codecs.block import DEFAULT_BLOCK, decode, encode
+from bagua.torch_api.codecs.block_allreduce import BlockWorkspace
+from bagua.torch_api.codecs.compressed_allreduce import Workspace
 from bagua.torch_api.codecs.registry import GlobalCodecRegistry
 from bagua.torch_api.comm.process_group import BaguaCommunicator
 
-__all__ = ["AnyWorkspace", "make_workspace", "compressed_allreduce_inplace"]
+__all__ = ["AnyWorkspace", "make_workspace", "compressed_allreduce_inplace", "allgather_average"]
 
 #: Either workspace: MinMaxUInt8 per rank chunk (``"chunk"``) or block-wise (``"bf16"``, ``"uint8"``, ``"uint4"``).
 AnyWorkspace = Union[Workspace, BlockWorkspace]
@@ -95,15 +102,51 @@ def compressed_allreduce_inplace(flat: torch.Tensor, workspace: AnyWorkspace, c:
         >>> ws = make_workspace("uint4", grad.numel(), c.nranks(), error_feedback=True)  # doctest: +SKIP
         >>> compressed_allreduce_inplace(grad, ws, c, error_feedback=True)  # doctest: +SKIP
     """
-    if isinstance(workspace, BlockWorkspace):
-        if source is not None:
-            raise ValueError("source= reads the input in pieces for the 'chunk' codec only")
-        x = flat if flat.dtype == torch.float32 else flat.float()
-        block_allreduce_inplace(x, c, workspace.codec, workspace.block_size, average, workspace, error_feedback, tag)
-        if x is not flat:
-            flat.copy_(x)
+    return workspace.allreduce_inplace(flat, c, average=average, error_feedback=error_feedback, tag=tag, source=source)
+
+
+def allgather_average(x: torch.Tensor, codec: str, all_gather: Callable[[torch.Tensor], Optional[list[torch.Tensor]]],
+                      block_size: int = DEFAULT_BLOCK, weights: Optional[Sequence[float]] = None,
+                      ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Average the members' ``x`` by the all-gather pattern: encode once, all-gather, decode-sum in member order.
+
+    Every member decodes the same wires in the same order, so every member ends with the same average, bit for bit.
+
+    Args:
+        x: this member's 1-D float32 tensor (its error-feedback residual already added, if any); not modified.
+        codec: a block codec of the registry (``"bf16"``, ``"uint8"``, ``"uint4"``, ``"nf2"``, or an alias).
+        all_gather: ``all_gather(wire)`` returns every member's wire in member order, or ``None`` when the round
+            failed (a fault-tolerant round records rather than raises).
+        block_size: the codec's block size.
+        weights: each member's weight, in member order (e.g. the samples it contributed; 0 adds nothing); ``None``
+            for equal weights: the sum of the decoded wires divided by their number.
+
+    Returns:
+        ``(average, wire)`` (this member's own wire, to compute its residual ``x - decode(wire)``), or ``None``
+        when ``all_gather`` returned ``None``.
+
+    Example:
+        >>> x = torch.tensor([1.0, 3.0])
+        >>> allgather_average(x, "bf16", lambda wire: [wire, wire])[0]
+        tensor([1., 3.])
+    """
+    spec = GlobalCodecRegistry.get(codec)
+    if spec.block_codec is None:
+        raise ValueError(f"the all-gather pattern takes a block codec, not {codec!r}; available: "
+                         + ", ".join(repr(n) for n in GlobalCodecRegistry if GlobalCodecRegistry[n].block_codec))
+    n = x.numel()
+    wire = encode(x, spec.block_codec, block_size)
+    wires = all_gather(wire)
+    if wires is None:
         return None
-    if error_feedback != (workspace.residual is not None):
-        raise ValueError(f"error_feedback={error_feedback}, but the workspace was built with"
-                         f"{'' if workspace.residual is not None else 'out'} error feedback")
-    return low_precision_allreduce_inplace(flat, c, average, workspace, source=source, tag=tag)
+    out = torch.zeros(n, dtype=torch.float32, device=x.device)
+    if weights is None:
+        for w in wires:
+            decode(w, n, spec.block_codec, block_size, out=out, accumulate=True)
+        out.div_(len(wires))
+    else:
+        total = max(1, sum(weights))
+        for w, weight in zip(wires, weights):
+            if weight:
+                out.add_(decode(w, n, spec.block_codec, block_size), alpha=weight / total)
+    return out, wire
