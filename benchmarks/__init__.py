@@ -1,23 +1,23 @@
-"""Benchmarks of Bagua, run from a clone and never installed: ``python -m benchmarks.network`` is the
-emulated-network suite.
+"""Benchmarks of Bagua, run from a clone and never installed, grouped by the question they answer.
 
-- :mod:`benchmarks.netns`: test hosts as network namespaces joined by a bridge, tbf-shaped links, cleanup;
-- :mod:`benchmarks.workload`: the training job each host runs, and the models it can train;
-  its parts: :mod:`benchmarks.systems` (DDP variants and Bagua algorithms, wrapped and timed) and
-  :mod:`benchmarks.measurements` (compute phase, codec cost, accuracy);
-- :mod:`benchmarks.gpt`: a byte-level GPT language model on the standard library's sources;
-- :mod:`benchmarks.resnet`: a BatchNorm ResNet on scikit-learn's digits;
-- :mod:`benchmarks.to_target`: time to accuracy (``--to-target``);
-- :mod:`benchmarks.network`: the suite (hosts x bandwidths x models x systems);
-- :mod:`benchmarks.report` and :mod:`benchmarks.plots`: table, JSON, CSV and PNG plots.
-- :mod:`benchmarks.cost_model`: a step-time model calibrated on the runs, and the paper's scale on paper.
-  Its parts: :mod:`benchmarks.cost_equations` (the equations), :mod:`benchmarks.cost_calibration`
-  (the fit) and :mod:`benchmarks.cost_paper` (the paper's setting).
+``python -m benchmarks.network`` is the emulated-network suite (hosts x bandwidths x models x systems), kept at the
+top because every campaign starts there. The folders:
 
-See docs/benchmarks.md for the commands and the latest results.
+- :mod:`benchmarks.common`: the suite's machinery: test hosts as network namespaces (``netns``), the job each host
+  runs (``job``, ``workload``, ``systems``, ``measurements``), the models (``models``, ``gpt``, ``resnet``), and the
+  results (``report``, ``plots``);
+- :mod:`benchmarks.to_target`: time to accuracy (``--to-target``: ``to_target``, ``to_target_plan``,
+  ``to_target_table``) and the campaigns built on it (``diloco_sweep``, ``torchft_peer``, ``muon_cost``);
+- :mod:`benchmarks.cost`: the step-time cost model (``cost_model``, ``cost_equations``, ``cost_calibration``,
+  ``cost_paper``) and the GPU mapping column (``gpu_mapping``);
+- :mod:`benchmarks.fault`: workers that fail alone (``fault_kill``, ``fault_gpt``, ``kills``, ``heal_transfer``);
+- :mod:`benchmarks.gpu`: every CUDA path on a GPU machine (``gpu_check.sh``, ``gpu_check*``) and ``gpu_step``;
+- :mod:`benchmarks.codecs`: codec speed (``codec``, ``codec_fused``) and ``bytegrad_timeline``;
+- :mod:`benchmarks.sharded`: FSDP2 replicas between islands (``islands``, ``sharded_gpt``) and ``sharded_memory``;
+- :mod:`benchmarks.micro`: one piece at a time (``engine_overhead``, ``collectives``, ``fused_optimizer``,
+  ``fused_grad_fold``, ``cached_dataset``, ``load_balancing``, ``tcp_tuning``, ``autotune``).
+
+See docs/benchmarks.md for the results and docs/benchmarks_method.md for the commands.
 """
 
-__all__ = [
-    "cost_calibration", "cost_equations", "cost_model", "cost_paper", "gpt", "measurements", "netns", "network",
-    "plots", "report", "resnet", "systems", "to_target", "workload",
-]
+__all__ = ["codecs", "common", "cost", "fault", "gpu", "micro", "network", "sharded", "to_target"]

@@ -1,11 +1,11 @@
 """``python -m benchmarks.network`` (``bagua-bench``): training speed over emulated networks.
 
-For each number of hosts, the suite builds a :class:`~benchmarks.netns.NetnsCluster` (one network
+For each number of hosts, the suite builds a :class:`~benchmarks.common.netns.NetnsCluster` (one network
 namespace per host, veth pairs into a bridge), shapes every link with tbf to each requested bandwidth, and runs
-the same training job (:mod:`benchmarks.workload`, one process per host) with torch DDP, DDP + fp16
+the same training job (:mod:`benchmarks.common.workload`, one process per host) with torch DDP, DDP + fp16
 compress hook, DDP + PowerSGD hook and every registered Bagua algorithm. It reports the median step time,
 samples/s, speedup over DDP, bytes sent per step, the fraction of line rate reached, test accuracy (digits) and
-a per-phase breakdown, as a table, JSON, CSV and a PNG plot (:mod:`benchmarks.report`).
+a per-phase breakdown, as a table, JSON, CSV and a PNG plot (:mod:`benchmarks.common.report`).
 
 It needs root and iproute2; without them it says so and falls back to loopback processes with no shaping.
 Namespaces are deleted on exit, on Ctrl-C, on SIGTERM and on error. Latency cannot be emulated: this kernel has
@@ -13,7 +13,7 @@ no netem.
 
 With ``--to-target`` the suite measures time to a validation target per network instead: steps to the target
 once per seed on unshaped links, step times per bandwidth, their product (real runs where the trajectory
-depends on timing); :mod:`benchmarks.to_target_plan` lists the runs, :mod:`benchmarks.to_target_table`
+depends on timing); :mod:`benchmarks.to_target.to_target_plan` lists the runs, :mod:`benchmarks.to_target.to_target_table`
 combines them.
 
 Example::
@@ -32,9 +32,10 @@ import sys
 import tempfile
 import time
 from typing import Optional, Sequence
-from benchmarks import netns, report, to_target, to_target_plan
-from benchmarks.job import Job
-from benchmarks.workload import MODELS, available_systems, split_system
+from benchmarks.common import netns, report
+from benchmarks.to_target import to_target, to_target_plan
+from benchmarks.common.job import Job
+from benchmarks.common.workload import MODELS, available_systems, split_system
 from bagua.torch_api import env
 
 __all__ = ["Job", "parse_args", "check_optional_imports", "resolve_systems", "run_job", "run_suite", "main"]
@@ -50,7 +51,7 @@ def resolve_systems(spec: str) -> list[str]:
     available = available_systems()
     if spec.strip() == "all":
         return available
-    from benchmarks import torchft_peer
+    from benchmarks.to_target import torchft_peer
     available += [torchft_peer.NAME] if torchft_peer.available() else []  # optional peers: named, never in "all"
     names = [s.strip() for s in spec.split(",") if s.strip()]
     unknown = [s for s in names if split_system(s)[0] not in available]
@@ -112,7 +113,7 @@ def run_job(cluster, job: Job, workdir: str, port: int, timeout_s: float) -> dic
     start = time.monotonic()
     try:
         for host in hosts:
-            argv = host.exec_prefix() + [sys.executable, "-m", "benchmarks.workload", *job.workload_args(),
+            argv = host.exec_prefix() + [sys.executable, "-m", "benchmarks.common.workload", *job.workload_args(),
                                          "--iface", host.iface, "--out", out]
             log = f"{out}.rank{host.index}.log"
             logs.append(log)
@@ -267,7 +268,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="with --to-target: the first seed (seeds are FIRST, FIRST+1, ...: add seeds to a campaign)")
     p.add_argument("--step-times-only", action="store_true",
                    help="with --to-target: skip the convergence runs of the synchronous systems and time their steps "
-                        "only (merge with a run that has them: python -m benchmarks.report A.json B.json)")
+                        "only (merge with a run that has them: python -m benchmarks.common.report A.json B.json)")
     p.add_argument("--qadam-warmup", type=int, default=None,
                    help="with --to-target: QAdam's full-precision steps when the run has no DDP convergence row to "
                         "take 20 %% of (default then: max-steps / 15)")

@@ -185,7 +185,7 @@ def test_cli_without_a_model_size_says_how_to_give_one(tmp_path):
 
 def _netns_module():
     try:
-        from benchmarks import netns
+        from benchmarks.common import netns
     except ImportError as exc:  # an installed copy without the clone's benchmarks/
         return None, f"benchmarks/ is not importable: {exc}"
     ok, why = netns.netns_available()

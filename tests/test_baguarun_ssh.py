@@ -1,7 +1,7 @@
 """``baguarun --host_list`` over real ssh: two hosts, each a network namespace running its own ``sshd``.
 
 The test builds two namespaces joined through a bridge (10.213.0.1 and 10.213.0.2, named ``bgssh<pid>...``; see
-:class:`benchmarks.netns.NetnsCluster`), starts ``/usr/sbin/sshd`` in each (a host key, a client key and
+:class:`benchmarks.common.netns.NetnsCluster`), starts ``/usr/sbin/sshd`` in each (a host key, a client key and
 known_hosts generated in a temp dir; key authentication only), and runs ``baguarun`` inside the first namespace,
 as a user on node 0 would. It needs root, iproute2 and OpenSSH (``make system-deps``) and is skipped otherwise.
 """
@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 from torch.testing import assert_close
-from benchmarks import netns
+from benchmarks.common import netns
 SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
 _AVAILABLE, _WHY = netns.netns_available()
 _SSHD = "/usr/sbin/sshd"

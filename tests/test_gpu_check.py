@@ -1,4 +1,4 @@
-"""The GPU check (benchmarks/gpu_check.sh, issue 31) in its dry run: every stage runs at tiny sizes, and each part
+"""The GPU check (benchmarks/gpu/gpu_check.sh, issue 31) in its dry run: every stage runs at tiny sizes, and each part
 that needs CUDA is skipped with one line, so the script that a lent GPU machine runs cannot rot unnoticed.
 
 ``--dry-run`` skips the CUDA parts even on a machine with CUDA. The network stage runs one tiny job (in network
@@ -14,7 +14,7 @@ import subprocess
 import sys
 
 import pytest
-from benchmarks import gpu_check, gpu_check_network
+from benchmarks.gpu import gpu_check, gpu_check_network
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--stage", "install,tests,codec,step,network,latency", "--dry-run", "--budget-s", "300",
         "--tests-path", "tests/gpu/test_kernels_on_cuda.py", "--codec-elements", "4096", "--codec-chunks", "2",
@@ -30,7 +30,7 @@ def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu-check")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
     env["PYTHON"] = sys.executable
-    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu_check.sh"), str(out), *TINY], cwd=ROOT,
+    proc = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "gpu", "gpu_check.sh"), str(out), *TINY], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=240)
     with open(out / "gpu_check.json") as f:
         return proc, json.load(f), out
@@ -107,7 +107,7 @@ def test_gpu_tests_only_skips_the_rest(tmp_path):
             "--tests-path", "tests/gpu/test_kernels_on_cuda.py", "--network-models", "tiny", "--network-hosts", "2",
             "--network-rates", "100mbit", "--network-systems", "gradient_allreduce", "--network-warmup", "1",
             "--network-steps", "1"]
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", str(tmp_path), *args], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu.gpu_check", str(tmp_path), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(tmp_path / "gpu_check.json") as f:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.gpt import TextBatches, lm_loss, load_text
-from benchmarks.models import MODELS, build_model
+from benchmarks.common.gpt import TextBatches, lm_loss, load_text
+from benchmarks.common.models import MODELS, build_model
 
 FP16_MIN_NORMAL = 6.1e-5
 

@@ -1,6 +1,6 @@
 """The recommendation: a measured step and link, matched to the nearest row of the measured tables.
 
-The cost model of DDP's exchange (docs/cost_model.md, as ``benchmarks/gpu_mapping.py`` applies it): one ring
+The cost model of DDP's exchange (docs/cost_model.md, as ``benchmarks/cost/gpu_mapping.py`` applies it): one ring
 allreduce of the model's gradient per step, in buckets of 25 MiB,
 
     exchange_s = buckets * latency_s + 2 (n - 1) / n * model_bytes * 8 / bandwidth_bps

@@ -1,4 +1,4 @@
-"""``benchmarks/bytegrad_timeline.py`` on 2 emulated hosts: its wrappers still fit ByteGrad's internals.
+"""``benchmarks/codecs/bytegrad_timeline.py`` on 2 emulated hosts: its wrappers still fit ByteGrad's internals.
 
 A few steps at 1 Gbit/s, with the real codec and with the no-op one. Needs root and iproute2 (``netns``).
 """
@@ -11,9 +11,9 @@ import subprocess
 import sys
 
 import pytest
-from benchmarks import netns
+from benchmarks.common import netns
 _AVAILABLE, _WHY = netns.netns_available()
-SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "bytegrad_timeline.py")
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "codecs", "bytegrad_timeline.py")
 ORDER = ["fwd", "ready0", "b0s", "b0_send", "b0_scatter", "b0_gather", "b0e", "b1s", "b1_send", "b1_scatter",
          "b1_gather", "b1e", "b2e", "bwd", "end"]
 

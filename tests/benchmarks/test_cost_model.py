@@ -8,7 +8,7 @@ import math
 from dataclasses import replace
 
 import pytest
-from benchmarks import cost_model as cm
+from benchmarks.cost import cost_model as cm
 TOL = 1e-12  # relative: every expected value below is the same arithmetic written out by hand
 
 

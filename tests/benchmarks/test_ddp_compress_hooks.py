@@ -19,14 +19,14 @@ def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _grads(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-    from benchmarks import gpt
+    from benchmarks.common import gpt
     gpt.lm_loss(model(x), y).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 def _worker(rank: int, world: int, system: str) -> tuple[dict, dict]:
-    from benchmarks.models import build_model
-    from benchmarks.systems import make_system
+    from benchmarks.common.models import build_model
+    from benchmarks.common.systems import make_system
 
     x, y = _batch(rank)
     local = _grads(build_model("gpt_tiny", seed=0), x, y)  # this rank's own gradient, no communication

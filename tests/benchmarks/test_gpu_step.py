@@ -1,4 +1,4 @@
-"""``benchmarks.gpu_step``: the models' training step as the GPU-mapping column needs it, checked on CPU
+"""``benchmarks.gpu.gpu_step``: the models' training step as the GPU-mapping column needs it, checked on CPU
 (the GPU check runs the same code on CUDA)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-from benchmarks import gpu_step
-from benchmarks.gpt import lm_loss
-from benchmarks.models import build_model
+from benchmarks.gpu import gpu_step
+from benchmarks.common.gpt import lm_loss
+from benchmarks.common.models import build_model
 
 
 def test_the_timed_step_is_the_suites_training_step():

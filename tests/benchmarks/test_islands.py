@@ -12,8 +12,8 @@ import subprocess
 
 import pytest
 
-from benchmarks import netns
-from benchmarks.islands import SYSTEMS, IslandsCluster, add_ratios, run_islands_job
+from benchmarks.common import netns
+from benchmarks.sharded.islands import SYSTEMS, IslandsCluster, add_ratios, run_islands_job
 
 _AVAILABLE, _WHY = netns.netns_available()
 pytestmark = [pytest.mark.netns, pytest.mark.skipif(not _AVAILABLE, reason=_WHY)]

@@ -16,9 +16,9 @@ from argparse import Namespace
 
 import pytest
 import torch
-from benchmarks import netns
+from benchmarks.common import netns
 from benchmarks.network import Job, run_job
-from benchmarks.workload import _batches, build_model
+from benchmarks.common.workload import _batches, build_model
 
 _AVAILABLE, _WHY = netns.netns_available()
 needs_netns = [pytest.mark.netns, pytest.mark.skipif(not _AVAILABLE, reason=_WHY)]

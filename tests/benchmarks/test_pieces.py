@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from benchmarks import netns, report
-from benchmarks.systems import _IntervalTimer
+from benchmarks.common import netns, report
+from benchmarks.common.systems import _IntervalTimer
 
 
 def test_parse_and_format_rate():
@@ -117,7 +117,7 @@ def test_combine_repeats_takes_medians_per_configuration():
 
 
 def test_split_system_reads_algorithm_arguments():
-    from benchmarks.workload import split_system
+    from benchmarks.common.workload import split_system
 
     assert split_system("bytegrad") == ("bytegrad", {})
     assert split_system("decentralized:peer_selection_mode=shift_one:communication_interval=2") == (
@@ -127,7 +127,7 @@ def test_split_system_reads_algorithm_arguments():
 
 
 def test_muon_cost_float32_iteration_orthogonalizes_like_the_svd():
-    from benchmarks.muon_cost import newton_schulz_float32
+    from benchmarks.to_target.muon_cost import newton_schulz_float32
 
     g = torch.randn(96, 24, generator=torch.Generator().manual_seed(0)) @ torch.diag(torch.logspace(0, 2, 24))
     x = newton_schulz_float32(g)

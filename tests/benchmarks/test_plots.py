@@ -10,7 +10,7 @@ import pytest
 
 from bagua.autotune import AutotuneLog, Hyperparameters
 from bagua.autotune import log as autotune_log
-from benchmarks import plots, report
+from benchmarks.common import plots, report
 SYSTEMS = {"ddp": (1.0, 1.0), "ddp_fp16": (1.2, 1.9), "bytegrad": (1.1, 3.4), "decentralized": (0.9, 2.2)}
 
 

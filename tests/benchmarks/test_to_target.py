@@ -11,7 +11,8 @@ import subprocess
 import sys
 
 import pytest
-from benchmarks import report, to_target, to_target_plan
+from benchmarks.common import report
+from benchmarks.to_target import to_target, to_target_plan
 def _suite(tmp_path, *flags: str) -> tuple[subprocess.CompletedProcess, list[dict], list[dict]]:
     cmd = [sys.executable, "-m", "benchmarks.network", "--loopback", "--hosts", "2", "--to-target",
            "--out-dir", str(tmp_path), "--name", "tt", *flags]

@@ -8,9 +8,11 @@ import math
 
 import matplotlib.pyplot as plt
 import pytest
-from benchmarks import gpu_mapping, plots, to_target_table
-from benchmarks.cost_equations import Fit
-from benchmarks.to_target_table import Spread, combine, compare, spread, time_to_target
+from benchmarks.cost import gpu_mapping
+from benchmarks.common import plots
+from benchmarks.to_target import to_target_table
+from benchmarks.cost.cost_equations import Fit
+from benchmarks.to_target.to_target_table import Spread, combine, compare, spread, time_to_target
 
 FIT = Fit(efficiency=0.95, stack_Bps=0.73e9, latency_s=1.9e-3, overlap=0.0)
 PARAMS = 10_800_000

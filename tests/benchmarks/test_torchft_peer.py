@@ -1,4 +1,4 @@
-"""torchft's DiLoCo as a system of the network suite (``torchft_diloco``, :mod:`benchmarks.torchft_peer`).
+"""torchft's DiLoCo as a system of the network suite (``torchft_diloco``, :mod:`benchmarks.to_target.torchft_peer`).
 
 Run by the suite's own runner on loopback at 2 ranks, it trains the tiny GPT to the same final loss, exactly, as
 Bagua's ``diloco`` with ``compression="none"`` (the two are bit-identical with ``init_sync=False``:
@@ -10,7 +10,8 @@ what is available.
 from __future__ import annotations
 
 import pytest
-from benchmarks import netns, torchft_peer
+from benchmarks.common import netns
+from benchmarks.to_target import torchft_peer
 from benchmarks.network import Job, resolve_systems, run_job
 
 H = 3

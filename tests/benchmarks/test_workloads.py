@@ -10,11 +10,11 @@ from argparse import Namespace
 
 import pytest
 import torch
-from benchmarks import gpt, netns
+from benchmarks.common import gpt, netns
 from benchmarks.network import Job, run_job
-from benchmarks.resnet import ResNet
-from benchmarks.models import MODELS, build_model, loss_fn, train_batches
-from benchmarks.workload import available_systems
+from benchmarks.common.resnet import ResNet
+from benchmarks.common.models import MODELS, build_model, loss_fn, train_batches
+from benchmarks.common.workload import available_systems
 
 #: systems whose update is exactly SGD/Adam on the loss averaged over ranks (others compress or average weights)
 EXACT = ("ddp", "gradient_allreduce")

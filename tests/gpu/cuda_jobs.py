@@ -43,7 +43,7 @@ QADAM_LR = 0.01
 
 def algorithm_names() -> list[str]:
     """Every registered algorithm name, after importing every module of ``bagua.torch_api.algorithms``."""
-    from benchmarks.systems import load_algorithm_modules
+    from benchmarks.common.systems import load_algorithm_modules
     from bagua.torch_api.algorithms import GlobalAlgorithmRegistry
 
     load_algorithm_modules()

@@ -264,7 +264,7 @@ def test_ddp_hook_equals_with_bagua():
 
 
 def test_codec_arguments_are_checked_and_parsed():
-    from benchmarks.systems import split_system
+    from benchmarks.common.systems import split_system
     from bagua.torch_api.algorithms import Algorithm
     from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
     from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer

@@ -18,7 +18,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from benchmarks.torchft_peer import bind_to
+from benchmarks.to_target.torchft_peer import bind_to
 from tests.harness import run_workers
 from tests.torch_api.models import batch, make_model, params_of
 

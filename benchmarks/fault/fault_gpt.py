@@ -1,0 +1,336 @@
+"""Time to target with workers killed: fault-tolerant DiLoCo on the GPT at 4 emulated hosts, against restarting.
+
+The real model and link of the time-to-accuracy benchmark: the GPT (:mod:`benchmarks.common.gpt`, Adam lr 1e-3, batch 8 x
+128 bytes per worker) trained until the global weights' validation loss reaches ``--target`` (2.40, 64 windows,
+evaluated every ``--eval-every`` steps right after a synchronization), each worker in a network namespace of its
+own, every link shaped to ``--rate`` (:class:`benchmarks.common.netns.NetnsCluster`). Every run trains DiLoCo through
+``with_bagua`` with the 4-host pick of the advisor: H = 10, uint4 pseudo-gradients with error feedback, outer lr 1.0,
+Nesterov 0.5, the lr warmed up over 10 rounds.
+
+- ``ft``: ``DiLoCoAlgorithm(fault_tolerance=FaultTolerance(...))``, each worker a one-process job, the coordinator
+  on a fifth host. ``ft:N``: one worker (w1, w2, w3 in turn) is SIGKILLed every N job steps (``--kill-offset``
+  later) and restarted at once (what a launcher with ``--max-restarts`` does); it heals from a live peer.
+  ``ft+inner:N`` / ``ft+fresh:N``: the same, the healed worker taking the peer's inner optimizer state or not.
+- ``restart:N``, the baseline: the same DiLoCo in one 4-rank job under ``python -m bagua.distributed.run
+  --max-restarts`` (one agent; each rank enters its host's namespace), every rank checkpointing every
+  ``--checkpoint-every`` steps (``bagua.torch_api.checkpoint``); at each kill the agent restarts all ranks, which
+  load the last checkpoint.
+
+Time to target: from the launch to the evaluation that reached the target, less w0's (rank 0's) evaluation time;
+start-up is in it, once for a run without failures, again at every restart. Needs root (namespaces).
+
+    .venv/bin/python -m benchmarks.fault.fault_gpt --seeds 0,1,2 --runs ft,ft:100,restart,restart:100 --json /tmp/f.json
+    .venv/bin/python -m benchmarks.fault.fault_gpt --report /tmp/f.json,/tmp/g.json   # the table of saved runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from benchmarks.fault.kills import WORKERS, Life, RestartKills, fail, kill_by_cmdline, kill_due, rejoin_times, say
+
+__all__ = ["parse_args", "worker", "run_ft", "run_restart", "main"]
+
+#: the advisor's 4-host pick (bagua/advise/table.py, WARM_DILOCO)
+DILOCO = dict(sync_every=10, hierarchical=False, compression="uint4", outer_lr=1.0, outer_momentum=0.5,
+              outer_lr_warmup=10)
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--runs", default="ft,ft:100,restart:100",
+                   help="comma-separated: ft (no failure), ft:N (a kill every N steps), restart:N; ft+inner:N "
+                        "heals with the peer's inner optimizer state (FaultTolerance(inner_state=True))")
+    p.add_argument("--seeds", default="0")
+    p.add_argument("--rate", default="100mbit", help="every host's link (tbf); 'unshaped' for none")
+    p.add_argument("--target", type=float, default=2.40)
+    p.add_argument("--max-steps", type=int, default=500)
+    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--checkpoint-every", type=int, default=50, help="steps between checkpoints (restart)")
+    p.add_argument("--kill-offset", type=int, default=0,
+                   help="kill at N + offset, 2N + offset, ...: 0 lands each kill right after a synchronization and a "
+                        "checkpoint (no step redone); 25 with N = 100 mid-round and half a checkpoint interval late")
+    p.add_argument("--model", default="gpt", help="gpt, or gpt_tiny for a smoke run")
+    p.add_argument("--timeout", type=float, default=2400.0, help="seconds per run")
+    p.add_argument("--json", default=None)
+    p.add_argument("--report", default=None, help="comma-separated JSON files of earlier runs: print their table")
+    for hidden in ("--worker", "--index", "--coordinator", "--ckpt-dir", "--seed", "--inner-state"):  # worker mode
+        p.add_argument(hidden, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    bad = [r for r in args.runs.split(",") if r.partition(":")[0] not in ("ft", "ft+inner", "ft+fresh", "restart")]
+    if bad:
+        p.error(f"--runs: unknown {bad}; use ft, ft+inner, ft+fresh or restart, each with an optional :N")
+    if args.eval_every % DILOCO["sync_every"]:
+        p.error(f"--eval-every must be a multiple of H = {DILOCO['sync_every']}: the global weights are evaluated")
+    names = ("target", "max_steps", "eval_every", "checkpoint_every", "model", "timeout")
+    args.shared = [x for n in names for x in ("--" + n.replace("_", "-"), str(getattr(args, n)))]
+    return args
+
+
+# -- a worker -------------------------------------------------------------------------------------------------------
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One worker: ``ft`` a one-process job of its own; ``ckpt`` a rank of the 4-rank job, resuming."""
+    import torch
+
+    import bagua.torch_api as bagua
+    from bagua.torch_api import env
+    from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+    from bagua.torch_api.checkpoint import load_checkpoint, save_checkpoint
+    from bagua.torch_api.fault import FaultTolerance, driver_heal_state
+    from benchmarks.common.gpt import TextBatches, lm_loss, validation_windows
+    from benchmarks.common.models import MODELS, _text, build_model
+    from benchmarks.common.systems import _make_optimizer
+
+    torch.set_num_threads(1)
+    spec, seed, attempt = MODELS[args.model], int(args.seed), env.get_int("TORCHELASTIC_RESTART_COUNT", 0)
+    ft = None
+    if args.worker == "ft":  # library defaults: heartbeat 0.5 s, stale after 3 s, adaptive deadline, min_quorum 1
+        ft = FaultTolerance(args.coordinator, worker=f"w{args.index}", workers=WORKERS, timeout_s=args.timeout,
+                            **({"inner_state": args.inner_state == "1"} if args.inner_state else {}))
+    bagua.init_process_group()  # ft: no launcher variables, a job of one process
+    rank = int(args.index) if ft is not None else bagua.get_rank()
+    train, val = _text(args.model)
+    batches = TextBatches(train, spec.batch_size, spec.in_shape[0], seed, rank)
+    val_x, val_y = validation_windows(val, 64, spec.in_shape[0])
+    model = build_model(args.model, seed)
+    replica = copy.deepcopy(model)  # evaluated on a copy, as benchmarks.to_target.to_target does
+    inner = _make_optimizer(spec.optimizer, model.parameters(), spec.lr)
+    model = model.with_bagua([inner], DiLoCoAlgorithm(**DILOCO, fault_tolerance=ft))  # ft: joins or heals here
+    driver = model.bagua_ddp.impl.driver
+    if ft is None:
+        load_checkpoint(args.ckpt_dir, model, inner)  # 0 at the first attempt
+    heal = ft is not None and ft.heals > 0
+    state = list(driver_heal_state(driver).values()) if heal else []
+    state += [t for s in inner.state_dict()["state"].values() for t in s.values()
+              if torch.is_tensor(t) and t.dim()] if heal and ft.inner_state else []  # Adam's moments, not step
+    heal_bytes = sum(t.numel() * t.element_size() for t in state)
+    say("joined", rank=rank, pid=os.getpid(), attempt=attempt, step=driver.steps,
+         heal_s=f"{ft.heal_seconds[-1]:.4f}" if heal else 0, heal_bytes=heal_bytes)
+    done = ft.rounds if ft is not None else driver.syncs
+    while driver.steps < args.max_steps:
+        x, y = batches.batch(driver.steps)
+        inner.zero_grad()
+        lm_loss(model(x), y).backward()
+        inner.step()
+        now = ft.rounds if ft is not None else driver.syncs
+        fields: dict[str, Any] = {}
+        if now != done and driver.steps % args.eval_every == 0:  # the model holds the global weights
+            t0 = time.perf_counter()
+            replica.load_state_dict(model.state_dict())
+            replica.eval()
+            with torch.no_grad():
+                loss = float(lm_loss(replica(val_x), val_y))
+            fields = {"loss": f"{loss:.5f}", "eval_s": f"{time.perf_counter() - t0:.3f}"}
+        if ft is None and driver.steps % args.checkpoint_every == 0:
+            save_checkpoint(driver.steps, args.ckpt_dir, model, inner)
+        say("step", rank=rank, step=driver.steps, sync=int(now != done), attempt=attempt, **fields)
+        done = now
+        if fields and float(fields["loss"]) <= args.target:
+            break
+    if ft is not None:
+        ft.close()
+
+
+# -- the supervisor -------------------------------------------------------------------------------------------------
+
+
+def _evals(lines: list[dict[str, Any]], rank: int) -> list[dict[str, Any]]:
+    return [x for x in lines if x["kind"] == "step" and int(x["rank"]) == rank and "loss" in x]
+
+
+def _outcome(evals: list[dict[str, Any]], start: float, target: float) -> dict[str, Any]:
+    """Time and steps to the target from rank 0's evaluations (all attempts), its evaluation time taken out."""
+    hit = next((e for e in evals if e["loss"] <= target), None)
+    upto = [e for e in evals if hit is None or e["t"] <= hit["t"]]
+    eval_s = sum(e["eval_s"] for e in upto)
+    return {"reached": hit is not None, "steps_to_target": int(hit["step"]) if hit else None,
+            "time_to_target_s": hit["t"] - start - eval_s if hit else None, "eval_s": eval_s,
+            "final_loss": evals[-1]["loss"] if evals else None, "curve": [[int(e["step"]), e["loss"]] for e in evals]}
+
+
+def _start_coordinator(host: Any, port: int, log: Path) -> subprocess.Popen:
+    """The coordinator on its own emulated host, bound to that host's address."""
+    proc = subprocess.Popen(host.exec_prefix() + [sys.executable, "-m", "bagua.torch_api.fault.coordinator",
+                                                  "--host", host.address, "--port", str(port)],
+                            stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.time() + 60
+    while "listening" not in log.read_text(errors="replace"):
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the coordinator did not start: {log.read_text(errors='replace')[-500:]}")
+        time.sleep(0.1)
+    return proc
+
+
+def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, workdir: Path,
+           inner_state: Optional[bool] = None) -> dict[str, Any]:
+    """Four fault-tolerant workers to the target; with ``kill_every``, SIGKILL and restart one on the schedule;
+    ``inner_state``: what a healed worker takes (``None``: the library's default)."""
+    port = 29600 + seed
+    coordinator = _start_coordinator(cluster.hosts[WORKERS], port, workdir / f"coord-{kill_every}-{seed}.log")
+    lives: list[Life] = []
+
+    def spawn(i: int) -> Life:
+        host = cluster.hosts[i]
+        cmd = host.exec_prefix() + [sys.executable, "-m", "benchmarks.fault.fault_gpt", "--worker", "ft", "--index",
+                                    str(i), "--seed", str(seed), "--coordinator",
+                                    f"{cluster.hosts[WORKERS].address}:{port}", *args.shared]
+        cmd += [] if inner_state is None else ["--inner-state", str(int(inner_state))]
+        lives.append(Life(cmd, workdir / f"ft{kill_every}-s{seed}-w{i}-{len(lives)}.log",
+                           {"GLOO_SOCKET_IFNAME": host.iface}))
+        return lives[-1]
+
+    start = time.time()
+    current = {i: spawn(i) for i in range(WORKERS)}
+    plan = list(range(kill_every + args.kill_offset, args.max_steps, kill_every)) if kill_every else []
+    kills: list[dict[str, Any]] = []
+    try:
+        while True:
+            for life in current.values():
+                life.read()
+            if _outcome(_evals(current[0].lines, 0), start, args.target)["reached"] or current[0].poll() == 0:
+                break
+            plan = kill_due(current, kills, plan, spawn)
+            codes = {i: life.poll() for i, life in current.items()}
+            if any(c not in (None, 0) for c in codes.values()):
+                raise fail(f"ft: a worker failed, exit codes {codes}", current.values())
+            if time.time() - start > args.timeout:
+                raise fail(f"ft: no result within {args.timeout:.0f} s (--timeout)", current.values())
+            time.sleep(0.05)
+    finally:
+        for life in lives:
+            life.kill()
+        coordinator.kill()
+        coordinator.wait()
+    rejoin_times(kills)
+    useful = sum(life.last_sync - int(life.joined["step"]) for life in lives if life.joined)
+    out = _outcome(_evals(current[0].lines, 0), start, args.target)
+    return {"mode": "ft" if inner_state is None else f"ft+inner={int(inner_state)}", "kill_every": kill_every,
+            "seed": seed, "kills": kills,
+            "goodput": useful / (WORKERS * max(int(out["steps_to_target"] or 0), 1)), **out}
+
+
+def run_restart(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int,
+                workdir: Path) -> dict[str, Any]:
+    """Plain DiLoCo under the elastic agent, checkpointing; SIGKILL a rank on the schedule, the agent restarts all."""
+    from bagua.torch_api import env
+
+    ckpt = workdir / f"ckpt-{kill_every}-{seed}"
+    plan = list(range(kill_every + args.kill_offset, args.max_steps, kill_every)) if kill_every else []
+    schedule = RestartKills(plan)
+    prefix, master = cluster.hosts[0].namespace[:-1], cluster.hosts[0].address  # "<prefix>h0" -> "<prefix>h"
+    # each rank enters the namespace of its host; the ranks' own store (not the agent's) is on host 0
+    script = workdir / "enter_host.sh"
+    script.write_text(f'exec ip netns exec {prefix}"$LOCAL_RANK" env MASTER_ADDR={master} LOCAL_RANK=0 '
+                      f'LOCAL_WORLD_SIZE=1 GLOO_SOCKET_IFNAME={cluster.hosts[0].iface} "$@"\n')
+    agent = Life([sys.executable, "-m", "bagua.distributed.run", "--nproc-per-node", str(WORKERS),
+                   "--max-restarts", str(len(plan) + 1), "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
+                   "--rdzv-endpoint", f"127.0.0.1:{env.find_free_network_port()}", "--no-python", "sh",
+                   str(script), sys.executable, "-m", "benchmarks.fault.fault_gpt", "--worker", "ckpt",
+                   "--seed", str(seed), "--ckpt-dir", str(ckpt), *args.shared],
+                  workdir / f"restart{kill_every}-s{seed}.log", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    start = time.time()
+    try:
+        while agent.poll() is None:
+            schedule.see(agent.read())
+            if _outcome(_evals(agent.lines, 0), start, args.target)["reached"]:
+                break
+            schedule.kill_due()
+            if time.time() - start > args.timeout:
+                raise fail(f"restart: no result within {args.timeout:.0f} s (--timeout)", [agent])
+            time.sleep(0.05)
+    finally:
+        agent.kill()
+        kill_by_cmdline(str(ckpt))
+    agent.read()
+    out = _outcome(_evals(agent.lines, 0), start, args.target)
+    if not out["curve"]:
+        raise fail(f"restart: rank 0 never evaluated (agent exit {agent.proc.returncode})", [agent])
+    return {"mode": "restart", "kill_every": kill_every, "seed": seed, "kills": schedule.kills, **out}
+
+
+def _family(mode: str) -> str:
+    """The failure-free run a run is compared with: ft (every fault-tolerant variant) or restart."""
+    return "restart" if mode == "restart" else "ft"
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """Each run against the same mode's run without failures on its seed (ft:N against ft, restart:N against
+    restart), and the failure-free restart against the failure-free ft."""
+    base = {(r["mode"], r["seed"]): r["time_to_target_s"] for r in rows if not r["kill_every"]}
+    print(f"\n{'run':<12} {'seed':>4} {'steps':>6} {'time s':>8} {'s/step':>7} {'/ no kill':>9} {'/ ft':>6} "
+          f"{'kills':>5} {'final':>7}")
+    for r in rows:
+        name, t = r["mode"] + (f":{r['kill_every']}" if r["kill_every"] else ""), r["time_to_target_s"]
+        own, ft = base.get((_family(r["mode"]), r["seed"])), base.get(("ft", r["seed"]))
+        cells = [f"{t:8.1f}" if t else "       -", f"{t / r['steps_to_target']:7.3f}" if t else "      -",
+                 f"{t / own:9.3f}" if t and own else "        -", f"{t / ft:6.3f}" if t and ft else "     -"]
+        print(f"{name:<12} {r['seed']:>4} {str(r['steps_to_target'] or '-'):>6} {' '.join(cells)} "
+              f"{len(r['kills']):>5} {r['final_loss'] or 0:7.3f}")
+        for k in r["kills"]:
+            if r["mode"] == "restart":
+                print(f"    {k['victim']} at step {k['step']}: all ranks stepping again after "
+                      f"{k.get('back_after_s', float('nan')):.1f} s, from step {k.get('resumed_step', '-')}")
+            elif k["healed_after_s"] is not None:
+                sync = k["first_sync_after_s"]
+                print(f"    {k['victim']} at step {k['step']}: healed after {k['healed_after_s']:.1f} s (heal "
+                      f"{float(k['heal_s']):.2f} s, {(k.get('heal_bytes') or 0) / 1e6:.1f} MB), first own "
+                      "synchronization " + (f"after {sync:.1f} s" if sync else "none"))
+            else:
+                print(f"    {k['victim']} at step {k['step']}: not back before the target")
+    for mode in sorted({(r["mode"], r["kill_every"]) for r in rows if r["kill_every"]}):
+        ratios = [r["time_to_target_s"] / base[(_family(r["mode"]), r["seed"])] for r in rows
+                  if (r["mode"], r["kill_every"]) == mode and r["time_to_target_s"]
+                  and base.get((_family(r["mode"]), r["seed"]))]
+        if ratios:
+            print(f"median time to target / the same mode without failures, {mode[0]}:{mode[1]}: "
+                  f"{statistics.median(ratios):.3f} over {len(ratios)} seed(s)")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if args.report:
+        print_table([r for f in args.report.split(",") for r in json.loads(Path(f).read_text())["rows"]])
+        return 0
+    from benchmarks.common import netns
+
+    netns.install_signal_handlers()
+    runs = [(mode, int(n or 0)) for mode, _, n in (r.partition(":") for r in args.runs.split(","))]
+    rows: list[dict[str, Any]] = []
+    print(f"{WORKERS} workers, GPT ({args.model}) to val loss {args.target}, each link {args.rate}; DiLoCo {DILOCO}")
+    with tempfile.TemporaryDirectory(prefix="bagua-fault-gpt-") as tmp, netns.NetnsCluster(WORKERS + 1) as cluster:
+        cluster.shape(args.rate)
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for mode, n in runs:
+                t0 = time.strftime("%H:%M:%S")
+                if mode == "restart":
+                    row = run_restart(args, cluster, seed, n, Path(tmp))
+                else:
+                    inner = None if mode == "ft" else mode == "ft+inner"  # ft+inner / ft+fresh: set explicitly
+                    row = run_ft(args, cluster, seed, n, Path(tmp), inner)
+                rows.append(row | {"started": t0, "load": os.getloadavg()[0]})
+                print(f"[{t0}] {mode}:{n} seed {seed}: steps {rows[-1]['steps_to_target']}, "
+                      f"time {rows[-1]['time_to_target_s']}", flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
