@@ -21,6 +21,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from bagua.torch_api import communication as comm
+from bagua.torch_api.codecs.block import DEFAULT_BLOCK
 from bagua.torch_api.codecs.registry import GlobalCodecRegistry
 from bagua.torch_api.ops.allreduce import centralized_full_precision_op
 from bagua.torch_api.ops.async_average import AsyncModelAverageOp
@@ -313,17 +314,23 @@ class BaguaBucket:
     def append_low_precision_decentralized_synchronous_op(
         self, weight: torch.Tensor, left_peer_weight: torch.Tensor, right_peer_weight: torch.Tensor,
         hierarchical: bool = True, compression: str = "MinMaxUInt8", group: Optional[BaguaProcessGroup] = None,
+        block_size: int = DEFAULT_BLOCK,
     ) -> LowPrecisionDecentralizedOp:
         """Append one round of low-precision decentralized SGD on a ring; it ends with the weights equal to ``weight``.
 
         ``weight``, ``left_peer_weight``, ``right_peer_weight`` are the replicas x̂_i, x̂_l, x̂_r: flat float32
         tensors of the bucket's size, equal on every rank at the start, updated in place and kept as
-        ``bucket._weight``, ``_left_peer_weight``, ``_right_peer_weight``. Returns the op.
+        ``bucket._weight``, ``_left_peer_weight``, ``_right_peer_weight``. ``compression`` names the differences'
+        codec in the codec registry (:mod:`~bagua.torch_api.codecs.registry`): ``"MinMaxUInt8"`` (the original's,
+        alias of ``"chunk"``: one min/max for the whole bucket), or a block codec (``"bf16"``, ``"uint8"``,
+        ``"uint4"``, ``"nf2"``, ``block_size`` elements per block). Returns the op.
         """
-        if compression not in ("MinMaxUInt8", "chunk", "minmax_uint8"):
-            raise ValueError(f"unknown compression {compression!r}; available: 'MinMaxUInt8' (alias 'chunk', "
-                             "'minmax_uint8')")
-        replicas = Replicas(weight, left_peer_weight, right_peer_weight)
+        try:
+            codec = GlobalCodecRegistry.get(compression).name
+        except ValueError:
+            raise ValueError(f"unknown compression {compression!r}; available: "
+                             f"{GlobalCodecRegistry.listing(near=compression)}") from None
+        replicas = Replicas(weight, left_peer_weight, right_peer_weight, codec=codec, block_size=block_size)
         op = LowPrecisionDecentralizedOp(group or comm._get_default_group(), replicas, hierarchical)
         self._weight, self._left_peer_weight, self._right_peer_weight = weight, left_peer_weight, right_peer_weight
         self.append_op(op)

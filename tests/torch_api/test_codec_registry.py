@@ -63,6 +63,7 @@ def _bucket_api_error(name):
 
 def _entry_points():
     from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+    from bagua.torch_api.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
     from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
     from bagua.torch_api.contrib.ddp_hooks import ByteGradState
     from bagua.torch_api.ops.compressed import centralized_low_precision_op
@@ -75,11 +76,13 @@ def _entry_points():
         "ByteGradState": (lambda n: ByteGradState(codec=n), "ByteGradState.codec='int8'. is not a codec"),
         "op": (lambda n: centralized_low_precision_op(None, codec=n), "op.codec='int8'. is not a codec"),
         "bucket": (_bucket_api_error, "unknown compression 'int8'; available: None .float32., 'chunk'"),
+        "LowPrecisionDecentralizedAlgorithm": (lambda n: LowPrecisionDecentralizedAlgorithm(codec=n),
+                                               "LowPrecisionDecentralizedAlgorithm.codec='int8'. is not a codec"),
     }
 
 
 @pytest.mark.parametrize("entry", ["make_workspace", "ByteGradAlgorithm", "QAdamAlgorithm", "ByteGradState", "op",
-                                   "bucket"])
+                                   "bucket", "LowPrecisionDecentralizedAlgorithm"])
 def test_an_unknown_name_lists_the_available_ones(entry):
     make, message = _entry_points()[entry]
     with pytest.raises(ValueError, match=message) as error:
@@ -200,3 +203,44 @@ def test_the_allgather_pattern_names_the_block_codecs_for_the_chunk_code():
 
     with pytest.raises(ValueError, match="takes a block codec, not 'MinMaxUInt8'; available: 'bf16', 'uint8'"):
         allgather_average(torch.ones(4), "MinMaxUInt8", lambda wire: [wire])
+
+
+# -- low-precision decentralized with every codec, against the ring simulation of its own test --------------------
+
+
+def _worker_low_precision_decentralized(rank, world_size, codecs):
+    import tests.torch_api.test_low_precision_decentralized as ring
+    from bagua.torch_api.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
+    from tests.torch_api.models import make_model
+    from tests.torch_api.test_block_allreduce import _dq
+
+    minmax_round_trip = ring._minmax_uint8_round_trip
+    out = {}
+    for codec in codecs:
+        spec = resolve_codec(codec)
+        # the simulation's round trip of d: MinMaxUInt8 over the bucket, or the block codec by its plain formulas
+        ring._minmax_uint8_round_trip = (
+            minmax_round_trip if spec.chunked else (lambda d, c=spec.block_codec: _dq(d, c, 64)))
+        model = make_model(rank)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model.with_bagua([opt], LowPrecisionDecentralizedAlgorithm(hierarchical=False, codec=codec, block_size=64))
+        layout = [[t.name for t in bucket.tensors] for bucket in model.bagua_buckets]
+        for step in range(ring.STEPS):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        expected = ring._train_reference(rank, world_size, 1, layout, 1, False)
+        out[codec] = (params_of(model), expected)
+    return out
+
+
+def test_low_precision_decentralized_runs_every_codec_and_its_aliases():
+    codecs = [*GlobalCodecRegistry.available(), *ALIASES]
+    for by_codec in run_workers(_worker_low_precision_decentralized, 2, codecs):
+        for codec in GlobalCodecRegistry.available():
+            got, expected = by_codec[codec]
+            assert_close(got, expected, rtol=0, atol=0, msg=lambda m, c=codec: f"{c}: {m}")
+        for alias, name in ALIASES.items():
+            assert all(torch.equal(a, b) for a, b in zip(by_codec[alias][0], by_codec[name][0])), alias
+        assert not all(torch.equal(a, b) for a, b in zip(by_codec["uint4"][0], by_codec["chunk"][0]))

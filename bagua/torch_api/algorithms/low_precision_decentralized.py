@@ -14,6 +14,8 @@ from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgo
 from bagua.torch_api.algorithms._weights import _check_interval, _weight_tensors
 from bagua.torch_api.algorithms.nonfinite import agree_on_finite_gradients
 from bagua.torch_api.bucket import BaguaBucket
+from bagua.torch_api.codecs.block import DEFAULT_BLOCK
+from bagua.torch_api.ops.compressed import check_codec
 from bagua.torch_api.ops.decentralized import LowPrecisionDecentralizedOp, Replicas
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
@@ -23,14 +25,18 @@ __all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedAlgor
 _FIELDS = ("mine", "left", "right")  # the Replicas fields kept per tensor: x̂_i, x̂_l, x̂_r
 
 
+
 class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
     """Low-precision decentralized SGD bound to a group; see :class:`LowPrecisionDecentralizedAlgorithm`."""
 
-    def __init__(self, process_group: BaguaProcessGroup, hierarchical: bool = True, communication_interval: int = 1):
+    def __init__(self, process_group: BaguaProcessGroup, hierarchical: bool = True, communication_interval: int = 1,
+                 codec: str = "chunk", block_size: int = DEFAULT_BLOCK):
         super().__init__(process_group)
         # user hyper-parameters
         self.hierarchical = hierarchical
         self.communication_interval = communication_interval
+        self.codec = check_codec("LowPrecisionDecentralizedAlgorithm", codec, block_size, for_gradients=False)
+        self.block_size = block_size
         # internal state: replicas per bucket; the bucket whose round is still in flight; the optimizers that
         # stepped in this iteration
         self._replicas: dict[str, Replicas] = {}
@@ -79,7 +85,8 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
     def init_operations(self, bagua_ddp, bucket: BaguaBucket) -> None:
         bucket.clear_ops()
         op = bucket.append_low_precision_decentralized_synchronous_op(
-            *self._new_replicas(bucket), hierarchical=self.hierarchical, group=self.process_group
+            *self._new_replicas(bucket), hierarchical=self.hierarchical, group=self.process_group,
+            compression=self.codec, block_size=self.block_size,
         )
         op.tag, op.pipeline = len(self._replicas), self._pipeline
         self._replicas[bucket.name] = op.replicas
@@ -148,14 +155,15 @@ class LowPrecisionDecentralizedAlgorithmImpl(AlgorithmImpl):
 )
 @dataclass
 class LowPrecisionDecentralizedAlgorithm(Algorithm):
-    """Decentralized SGD on a ring exchanging 8-bit (MinMaxUInt8) weight differences after every step.
+    """Decentralized SGD on a ring exchanging 8-bit (MinMaxUInt8, or another codec) weight differences after every
+    step.
 
     Each rank keeps float32 replicas ``x̂_i`` (its public copy), ``x̂_l`` and ``x̂_r`` (its ring neighbours'),
     all equal to the weights at wrap time. After ``optimizer.step()`` (every ``communication_interval`` steps),
     for each bucket, with ``x`` the stepped weights:
 
     1. ``d = x + x̂_l/3 + x̂_r/3 - 5/3 x̂_i`` = (local progress ``x - x̂_i``) + (ring average of replicas - x̂_i);
-    2. ``C = Q(d)``: MinMaxUInt8 over the whole bucket (one chunk);
+    2. ``C = Q(d)``: MinMaxUInt8 over the whole bucket (one chunk), or the block codec ``codec``;
     3. send ``C`` to both neighbours, receive theirs (``C_l``, ``C_r``); the next bucket encodes meanwhile;
     4. ``x̂_l += D(C_l)``, ``x̂_r += D(C_r)``, ``x̂_i += D(C)``, ``x = x̂_i``.
 
@@ -166,6 +174,11 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         hierarchical: average inside each node first and run the ring among node leaders (on one node the
             leader runs the 8-bit update with itself as both neighbours, as in the original).
         communication_interval: communicate every that many steps.
+        codec: the code of the differences, a name of the codec registry (:mod:`~bagua.torch_api.codecs.registry`):
+            ``"chunk"`` (the default and the original's: MinMaxUInt8 with one min/max for the whole bucket; alias
+            ``"MinMaxUInt8"``), ``"bf16"``, ``"uint8"``, ``"uint4"`` or ``"nf2"`` (one header per block of
+            ``block_size`` elements, so that every tensor of the bucket keeps its resolution).
+        block_size: elements per block of the block codecs (even).
 
     Example:
         >>> from bagua.torch_api.algorithms import decentralized
@@ -175,12 +188,17 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
 
     hierarchical: bool = True
     communication_interval: int = 1
+    codec: str = "chunk"
+    block_size: int = DEFAULT_BLOCK
 
     def __post_init__(self) -> None:
         _check_interval(self.communication_interval, self.hierarchical, "LowPrecisionDecentralizedAlgorithm")
+        self.codec = check_codec("LowPrecisionDecentralizedAlgorithm", self.codec, self.block_size,
+                                 for_gradients=False)  # weight differences: any codec
 
     def reify(self, process_group: BaguaProcessGroup) -> LowPrecisionDecentralizedAlgorithmImpl:
         hierarchy.log_if_one_node(process_group, self.hierarchical, "LowPrecisionDecentralizedAlgorithm")
         return LowPrecisionDecentralizedAlgorithmImpl(
-            process_group, hierarchical=self.hierarchical, communication_interval=self.communication_interval
+            process_group, hierarchical=self.hierarchical, communication_interval=self.communication_interval,
+            codec=self.codec, block_size=self.block_size,
         )

@@ -42,19 +42,20 @@ __all__ = ["CODECS", "CentralizedLowPrecisionOp", "check_codec", "centralized_lo
 CODECS = tuple(GlobalCodecRegistry.available(for_gradients=True))
 
 
-def check_codec(owner: str, codec: object, block_size: object) -> str:
+def check_codec(owner: str, codec: object, block_size: object, for_gradients: bool = True) -> str:
     """Return the registered name of the gradient codec ``codec`` (an alias such as ``"MinMaxUInt8"`` gives
-    ``"chunk"``); raise ``ValueError`` unless it is one of :data:`CODECS` and ``block_size`` a positive even integer.
+    ``"chunk"``); raise ``ValueError`` unless it is one of :data:`CODECS` (any codec of the registry with
+    ``for_gradients=False``) and ``block_size`` a positive even integer.
 
     Example:
         >>> check_codec("ByteGradAlgorithm", "uint8", 4096), check_codec("ByteGradAlgorithm", "MinMaxUInt8", 4096)
         ('uint8', 'chunk')
     """
     try:
-        name = GlobalCodecRegistry.get(codec, for_gradients=True).name  # type: ignore[arg-type]
+        name = GlobalCodecRegistry.get(codec, for_gradients=for_gradients).name  # type: ignore[arg-type]
     except ValueError:
         raise ValueError(f"{owner}(codec={codec!r}) is not a codec; "
-                         f"available: {GlobalCodecRegistry.listing(for_gradients=True, near=codec)}") from None
+                         f"available: {GlobalCodecRegistry.listing(for_gradients=for_gradients, near=codec)}") from None
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2 or block_size % 2:
         raise ValueError(f"{owner}(block_size={block_size!r}) must be a positive even integer, elements per block of "
                          f"the 'uint8'/'uint4' codecs (default {DEFAULT_BLOCK})")

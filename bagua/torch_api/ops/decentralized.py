@@ -23,7 +23,9 @@ import torch.distributed as dist
 from bagua.torch_api import communication as comm
 from bagua.torch_api.comm import hierarchy
 from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.codecs import block
 from bagua.torch_api.codecs.minmax_uint8 import BLOCK, decode_chunks, encode_chunks, scratch_buffer, wire_buffer
+from bagua.torch_api.codecs.registry import GlobalCodecRegistry
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 from bagua.torch_api.ops.base import BucketOp
 
@@ -223,15 +225,24 @@ decentralized_op = DecentralizedOp
 class Replicas:
     """Per-bucket state of low-precision decentralized SGD (flat, float32).
 
-    Fields: ``mine`` (x̂_i, my public copy), ``left`` / ``right`` (x̂ of my ring neighbours); scratch buffers
-    ``diff`` (d), ``scratch``, ``wire`` (my 8-bit message) and ``received`` (the neighbours' messages, one per
-    distinct neighbour); ``works``: the exchange in flight. Buffers are allocated once: fresh model-sized
-    tensors every step cost more than the arithmetic (page faults).
+    Fields: ``mine`` (x̂_i, my public copy), ``left`` / ``right`` (x̂ of my ring neighbours); the code of the
+    differences: ``block_codec`` (``None``: MinMaxUInt8 over the whole bucket, the original's; else a block codec of
+    :mod:`~bagua.torch_api.codecs.block`) and ``block_size``; scratch buffers ``diff`` (d), ``scratch``, ``wire``
+    (my encoded message) and ``received`` (the neighbours' messages, one per distinct neighbour); ``works``: the
+    exchange in flight. Buffers are allocated once: fresh model-sized tensors every step cost more than the
+    arithmetic (page faults).
+
+    Args:
+        mine, left, right: the replicas.
+        codec: a name (or alias) of the codec registry (:mod:`~bagua.torch_api.codecs.registry`): ``"chunk"``
+            (MinMaxUInt8; here the whole bucket is its one chunk), ``"bf16"``, ``"uint8"``, ``"uint4"``, ``"nf2"``.
+        block_size: elements per block of the block codecs.
     """
 
-    __slots__ = ("mine", "left", "right", "diff", "scratch", "wire", "received", "works")
+    __slots__ = ("mine", "left", "right", "block_codec", "block_size", "diff", "scratch", "wire", "received", "works")
 
-    def __init__(self, mine: torch.Tensor, left: torch.Tensor, right: torch.Tensor) -> None:
+    def __init__(self, mine: torch.Tensor, left: torch.Tensor, right: torch.Tensor, codec: str = "chunk",
+                 block_size: int = block.DEFAULT_BLOCK) -> None:
         for what, t in (("weight", mine), ("left_peer_weight", left), ("right_peer_weight", right)):
             if t.dtype != torch.float32 or t.dim() != 1 or t.numel() != mine.numel():
                 raise ValueError(
@@ -239,9 +250,14 @@ class Replicas:
                     f"{t.dtype} of shape {tuple(t.shape)}; use bucket.flattened_tensor().float()"
                 )
         self.mine, self.left, self.right = mine, left, right
+        self.block_codec, self.block_size = GlobalCodecRegistry.get(codec).block_codec, block_size
         self.diff = torch.empty_like(self.mine)
         self.scratch = scratch_buffer(mine.numel(), mine.device)
-        self.wire = wire_buffer(1, mine.numel(), mine.device)
+        if self.block_codec is None:
+            self.wire = wire_buffer(1, mine.numel(), mine.device)
+        else:
+            nbytes = block.wire_numel(mine.numel(), self.block_codec, block_size)
+            self.wire = torch.zeros(nbytes, dtype=torch.uint8, device=mine.device)
         self.received: dict[int, torch.Tensor] = {}
         self.works: list[Any] = []
 
@@ -261,7 +277,10 @@ def _ring_round_start(x: torch.Tensor, r: Replicas, c: BaguaCommunicator, tag: i
         b = min(a + step, x.numel())
         d = torch.add(xf[a:b], r.left[a:b], alpha=1 / 3, out=r.diff[a:b])
         d.add_(r.right[a:b], alpha=1 / 3).sub_(r.mine[a:b], alpha=5 / 3)
-    encode_chunks(r.diff.view(1, -1), r.wire, work=r.scratch)
+    if r.block_codec is None:
+        encode_chunks(r.diff.view(1, -1), r.wire, work=r.scratch)
+    else:
+        block.encode(r.diff, r.block_codec, r.block_size, out=r.wire)
     if c.nranks() == 1:  # a lone node leader: both neighbours are itself, its message goes nowhere
         r.received, r.works = {c.rank(): r.wire}, []
         return
@@ -276,9 +295,11 @@ def _ring_round_finish(r: Replicas, c: BaguaCommunicator) -> None:
         work.wait()
     r.works = []
     left, right = ring_neighbours(c.rank(), c.nranks())
-    decode_chunks(r.received[left], r.left.view(1, -1), accumulate=True, work=r.scratch)
-    decode_chunks(r.received[right], r.right.view(1, -1), accumulate=True, work=r.scratch)
-    decode_chunks(r.wire, r.mine.view(1, -1), accumulate=True, work=r.scratch)
+    for wire, replica in ((r.received[left], r.left), (r.received[right], r.right), (r.wire, r.mine)):
+        if r.block_codec is None:
+            decode_chunks(wire, replica.view(1, -1), accumulate=True, work=r.scratch)
+        else:
+            block.decode(wire, replica.numel(), r.block_codec, r.block_size, out=replica, accumulate=True)
 
 
 class LowPrecisionDecentralizedOp(BucketOp):
