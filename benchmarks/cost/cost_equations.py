@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from bagua.torch_api.comm.cost import ring_allreduce_bytes, ring_allreduce_steps
+
 __all__ = [
     "GBIT", "Shapes", "SHAPES", "Traffic", "ring_allreduce", "scatter_gather_allreduce", "peer_exchange",
     "intra_node", "bucket_count", "powersgd_elements", "ENCODE", "DECODE", "FP16_CASTS", "POWERSGD_PASSES",
@@ -87,13 +89,13 @@ class Traffic:
 def ring_allreduce(nbytes: float, n: int) -> Traffic:
     """Ring allreduce of ``nbytes`` over ``n`` ranks: reduce-scatter then allgather, ``2(n-1)`` steps of
     ``nbytes / n`` each, so every rank sends ``2 (n-1) / n * nbytes``."""
-    return Traffic(2 * (n - 1) / n * nbytes, 2 * (n - 1)) if n > 1 else Traffic(0.0, 0)
+    return Traffic(ring_allreduce_bytes(nbytes, n), ring_allreduce_steps(n))
 
 
 def scatter_gather_allreduce(nbytes: float, n: int) -> Traffic:
     """ByteGrad's allreduce of an encoded buffer of ``nbytes``: point-to-point scatter of ``n - 1`` chunks, then
     an allgather of the reduced chunk: the same ``2 (n-1) / n * nbytes`` per rank as a ring."""
-    return Traffic(2 * (n - 1) / n * nbytes, 2 * (n - 1)) if n > 1 else Traffic(0.0, 0)
+    return Traffic(ring_allreduce_bytes(nbytes, n), ring_allreduce_steps(n))
 
 
 def peer_exchange(nbytes: float, peers: int) -> Traffic:
