@@ -21,6 +21,7 @@ from bagua.torch_api import communication as comm
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
+from bagua.torch_api.interfaces import engine_of  # noqa: F401  (read here by checkpoint/)
 from bagua.torch_api.tensor import TENSOR_METHODS, TensorMethods
 
 if TYPE_CHECKING:
@@ -157,16 +158,6 @@ def _engine(module: torch.nn.Module) -> "Optional[BaguaDistributedDataParallel]"
     # These properties live on every nn.Module, so they must not raise on modules that are not wrapped: tools
     # read every attribute in dir(module) (torch.compile does) and would fail on the first one that raises.
     return getattr(module, "bagua_ddp", None)
-
-
-def engine_of(obj: Any) -> "Optional[BaguaDistributedDataParallel]":
-    """The Bagua engine training ``obj``: a module wrapped with ``with_bagua``, Bagua's
-    ``DistributedDataParallel``, or a wrapper holding either as ``.module``; ``None`` when there is none."""
-    for m in (obj, getattr(obj, "module", None)):
-        engine = getattr(m, "bagua_ddp", None) or getattr(m, "inner", None)
-        if engine is not None and getattr(engine, "impl", None) is not None:
-            return engine
-    return None
 
 
 def _install() -> None:

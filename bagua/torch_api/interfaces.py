@@ -23,7 +23,7 @@ import torch
 
 from bagua.torch_api.tensor import BaguaTensor
 
-__all__ = ["Bucket", "Engine", "Job"]
+__all__ = ["Bucket", "Engine", "Job", "engine_of"]
 
 
 @runtime_checkable
@@ -106,3 +106,20 @@ class Engine(Protocol):
 
     def wait_pending_comm_ops(self) -> None:
         """Wait for every launched bucket operation and communication job."""
+
+
+def engine_of(obj: Any) -> Optional[Engine]:
+    """Return the Bagua engine training ``obj``: a module wrapped with ``with_bagua``, Bagua's
+    ``DistributedDataParallel``, or a wrapper holding either as ``.module``; ``None`` when there is none.
+
+    Found by attributes (``bagua_ddp``, ``inner``), so layers below the engine can ask without importing it.
+
+    Example:
+        >>> engine_of(torch.nn.Linear(2, 2)) is None
+        True
+    """
+    for m in (obj, getattr(obj, "module", None)):
+        engine = getattr(m, "bagua_ddp", None) or getattr(m, "inner", None)
+        if engine is not None and getattr(engine, "impl", None) is not None:
+            return engine
+    return None

@@ -43,7 +43,7 @@ from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgo
 from bagua.torch_api.algorithms._weights import _one_bucket_per_dtype, _weight_tensors
 from bagua.torch_api.ops.async_average import WeightLock, average_round, flat_like, negotiate
 from bagua.torch_api.bucket import BaguaBucket
-from bagua.torch_api.distributed import engine_of
+from bagua.torch_api.interfaces import engine_of
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 

@@ -24,8 +24,8 @@ from typing import Callable
 
 import torch
 
-from bagua.torch_api import communication as comm
-from bagua.torch_api.communication import ReduceOp
+from bagua.torch_api.comm import collectives as comm
+from bagua.torch_api.comm.reduce_op import ReduceOp
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
 
 __all__ = ["is_hierarchical", "exchange_communicator", "reduce_to_leaders", "broadcast_from_leaders",
