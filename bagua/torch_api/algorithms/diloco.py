@@ -37,19 +37,20 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, ClassVar, Optional, Union
 
 import torch
 
 from bagua.torch_api.algorithms.checks import check_bool, check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.ops.diloco import FRAGMENT_LAYOUTS
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver, driver_property
 from bagua.torch_api.ops.diloco_outer import AUTO
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
-__all__ = ["DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS", "check_fault_tolerance"]
+__all__ = ["DiLoCoSettings", "DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS", "check_fault_tolerance"]
 
 #: what the pseudo-gradient travels as
 COMPRESSIONS = ("none", "bf16", "uint8", "uint4", "nf2")
@@ -63,9 +64,8 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         super().__init__(process_group)
         # user hyper-parameters
         self.hyper = algorithm
-        self.hierarchical = algorithm.hierarchical
+        self.hierarchical = algorithm.hierarchical is not False  # None: the engine's default, hierarchical
         # internal state
-        self.warm = algorithm.warmup_steps > 0
         self._stepped: set[int] = set()
         # with overlap an exchange runs while the main thread may communicate (find_unused_parameters): own groups
         fault = algorithm.fault_tolerance
@@ -81,6 +81,7 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
             exchange_group = process_group.private_copy("diloco") if algorithm.overlap_steps > 0 else process_group
             self.driver = DiLoCoDriver(algorithm, "DiLoCo", group=exchange_group, hierarchical=self.hierarchical)
         self.hyper = self.driver.hyper  # "auto" outer settings resolved for this group's ranks
+        self.warm = self.driver.warming_up
 
     # the driver's state, under the names this class always had
     error_feedback = driver_property("error_feedback", "whether each rank's compression error is carried")
@@ -96,7 +97,7 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         return self.warm and self.steps >= self.hyper.warmup_steps
 
     def init_tensors(self, bagua_ddp) -> list[BaguaTensor]:
-        self.warm = self.steps < self.hyper.warmup_steps
+        self.warm = self.driver.warming_up
         if self.warm:
             return super().init_tensors(bagua_ddp)
         self.driver.submit = bagua_ddp.submit_job  # exchanges run on the engine's communication thread
@@ -104,12 +105,11 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
             params = [p for _, p in bagua_ddp.bagua_build_params()]
             if not params:
                 raise ValueError("DiLoCoAlgorithm: the model has no trainable parameter")
-            self.driver.build(params)  # equal on every rank: the engine broadcast them, the warm-up averaged
-            if self.driver.fault is not None:  # join the job: the first worker's weights, or a live peer's state
-                if len(bagua_ddp.bagua_optimizers) != 1:
-                    raise ValueError("DiLoCoAlgorithm(fault_tolerance=...) heals a joining worker with one inner "
-                                     f"optimizer's state; this model has {len(bagua_ddp.bagua_optimizers)}")
-                self.driver.join(bagua_ddp.bagua_optimizers[0])
+            if self.driver.fault is not None and len(bagua_ddp.bagua_optimizers) != 1:
+                raise ValueError("DiLoCoAlgorithm(fault_tolerance=...) heals a joining worker with one inner "
+                                 f"optimizer's state; this model has {len(bagua_ddp.bagua_optimizers)}")
+            # equal on every rank: the engine broadcast them, the warm-up averaged
+            self.driver.begin(params, bagua_ddp.bagua_optimizers[0] if self.driver.fault is not None else None)
         return []  # no gradient communication between synchronizations
 
     def init_operations(self, bagua_ddp, bucket) -> None:
@@ -157,7 +157,7 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.driver.load_state_dict(state)  # still warming up: the fragments load when they are built
-        self.warm = self.steps < self.hyper.warmup_steps
+        self.warm = self.driver.warming_up
 
     def close(self) -> None:
         self.driver.close(strict=False)  # the engine is being torn down; its error, if any, is raised elsewhere
@@ -171,7 +171,7 @@ class DiLoCoAlgorithmImpl(AlgorithmImpl):
         self.driver.load_heal_state_dict(state)
 
 
-def check_fault_tolerance(hyper: "DiLoCoAlgorithm", owner: str) -> None:
+def check_fault_tolerance(hyper: "DiLoCoSettings", owner: str) -> None:
     """Refuse, before anything is built, the settings fault-tolerant DiLoCo does not run (yet), saying why."""
     unsupported = {
         "overlap_steps": (hyper.overlap_steps, 0, "a round is retried from its pseudo-gradient, run inline"),
@@ -182,16 +182,86 @@ def check_fault_tolerance(hyper: "DiLoCoAlgorithm", owner: str) -> None:
             raise ValueError(f"{owner}(fault_tolerance=...) needs {name}={needed!r}, got {value!r}: {why}")
 
 
-def _check_outer_optimizer(value: Any) -> None:
+def _check_outer_optimizer(owner: str, value: Any) -> None:
     if value is not None and not callable(value):
-        raise ValueError("DiLoCoAlgorithm(outer_optimizer=...) must build an optimizer from a list of tensors, e.g. "
+        raise ValueError(f"{owner}(outer_optimizer=...) must build an optimizer from a list of tensors, e.g. "
                          f"functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True); got {value!r}")
+
+
+@dataclass
+class DiLoCoSettings:
+    """DiLoCo's hyper-parameters and their checks, written once (see :class:`DiLoCoAlgorithm` for each one's
+    meaning). :class:`DiLoCoAlgorithm` is these plus ``fault_tolerance``;
+    :class:`~bagua.torch_api.contrib.diloco_optimizer.DiLoCoOptimizer` takes the same keywords (errors name the
+    class the user called: its ``owner``). Picklable, no process state.
+
+    Example:
+        >>> DiLoCoSettings(sync_every=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: DiLoCoSettings(sync_every=...) must be an integer >= 1 (inner steps between synchronizations), got 0
+    """
+
+    #: names the class in error messages
+    owner: ClassVar[str] = "DiLoCoSettings"
+
+    sync_every: int = 10
+    outer_lr: Union[float, str] = AUTO
+    outer_momentum: Union[float, str] = AUTO
+    nesterov: bool = True
+    outer_optimizer: Optional[Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = None
+    fragments: int = 1
+    fragment_layout: str = "contiguous"
+    overlap_steps: int = 0
+    overlap_alpha: float = 0.5
+    compression: str = "none"
+    error_feedback: Optional[bool] = None
+    block_size: int = 4096
+    warmup_steps: int = 0
+    hierarchical: Optional[bool] = None
+    offload_outer_state: bool = False
+    outer_lr_warmup: Union[int, str] = AUTO
+
+    def __post_init__(self) -> None:
+        owner = self.owner
+        check_int(owner, "sync_every", self.sync_every, 1, "inner steps between synchronizations")
+        if self.outer_lr != AUTO:
+            check_number(owner, "outer_lr", self.outer_lr, 0.0, 'the outer SGD\'s learning rate, or "auto"')
+        if self.outer_momentum != AUTO:
+            check_number(owner, "outer_momentum", self.outer_momentum, 0.0, 'the outer SGD\'s momentum, or "auto"')
+        if self.outer_momentum != AUTO and self.outer_momentum >= 1:
+            raise ValueError(f"{owner}(outer_momentum=...) must be below 1, got {self.outer_momentum!r}")
+        if self.outer_lr_warmup != AUTO:
+            check_int(owner, "outer_lr_warmup", self.outer_lr_warmup, 0, 'outer steps of outer-lr warm-up, or "auto"')
+        for name in ("nesterov", "offload_outer_state"):
+            check_bool(owner, name, getattr(self, name))
+        for name in ("error_feedback", "hierarchical"):  # None: the default
+            if getattr(self, name) is not None:
+                check_bool(owner, name, getattr(self, name))
+        _check_outer_optimizer(owner, self.outer_optimizer)
+        check_int(owner, "fragments", self.fragments, 1, "parameter fragments that synchronize in turn")
+        if self.fragments > self.sync_every:
+            raise ValueError(f"{owner}(fragments={self.fragments}) must be at most sync_every={self.sync_every}: "
+                             "each fragment synchronizes once per round of sync_every steps")
+        check_choice(owner, "fragment_layout", self.fragment_layout, FRAGMENT_LAYOUTS)
+        check_int(owner, "overlap_steps", self.overlap_steps, 0, "inner steps run while an exchange travels")
+        if self.overlap_steps >= self.sync_every:
+            raise ValueError(f"{owner}(overlap_steps={self.overlap_steps}) must be below sync_every="
+                             f"{self.sync_every}: a fragment's exchange must end before its next one starts")
+        check_number(owner, "overlap_alpha", self.overlap_alpha, 0.0, "weight of the local weights in the merge")
+        if self.overlap_alpha > 1:
+            raise ValueError(f"{owner}(overlap_alpha=...) must be in [0, 1], got {self.overlap_alpha!r}")
+        check_choice(owner, "compression", self.compression, COMPRESSIONS)
+        check_int(owner, "block_size", self.block_size, 2, "elements per min/max block")
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"{owner}(block_size=...) must be a power of two, got {self.block_size!r}")
+        check_int(owner, "warmup_steps", self.warmup_steps, 0, "gradient-allreduce steps before the inner phases")
 
 
 @GlobalAlgorithmRegistry.register(
     "diloco", description="DiLoCo / Streaming DiLoCo: local steps, outer Nesterov step on the averaged weight change")
 @dataclass
-class DiLoCoAlgorithm(Algorithm):
+class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
     """Train ``sync_every`` steps locally, then average the weight change and take an outer optimizer step.
 
     Args:
@@ -218,7 +288,11 @@ class DiLoCoAlgorithm(Algorithm):
             (default) means on when compressed.
         block_size: elements per block of the 8-, 4- and 2-bit codes.
         warmup_steps: steps of plain float32 gradient allreduce before the first inner phase.
-        hierarchical: average inside each node in float32 first and exchange among node leaders only.
+        hierarchical: average inside each node in float32 first and exchange among node leaders only. ``None``
+            (default): ``True`` under ``with_bagua``'s data-parallel engine. On sharded replicas
+            (``with_bagua(..., device_mesh=...)``) each shard's pseudo-gradient is averaged over its replica group
+            flat, so ``True`` is refused there with a ``ValueError``: leave it unset or pass ``False``.
+            ``contrib.DiLoCoOptimizer`` always averages flat.
         offload_outer_state: keep the global weights and the outer optimizer's state in (pinned) CPU memory.
         fault_tolerance: a :class:`~bagua.torch_api.fault.replica.FaultTolerance`: this process is one worker of
             a job whose workers fail alone (docs/fault_tolerance.md); the model joins the job when it is wrapped.
@@ -231,62 +305,23 @@ class DiLoCoAlgorithm(Algorithm):
         >>> model = model.with_bagua([torch.optim.AdamW(model.parameters())], algorithm)  # doctest: +SKIP
     """
 
-    sync_every: int = 10
-    outer_lr: Union[float, str] = AUTO
-    outer_momentum: Union[float, str] = AUTO
-    nesterov: bool = True
-    outer_optimizer: Optional[Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = None
-    fragments: int = 1
-    fragment_layout: str = "contiguous"
-    overlap_steps: int = 0
-    overlap_alpha: float = 0.5
-    compression: str = "none"
-    error_feedback: Optional[bool] = None
-    block_size: int = 4096
-    warmup_steps: int = 0
-    hierarchical: bool = True
-    offload_outer_state: bool = False
-    outer_lr_warmup: Union[int, str] = AUTO
-    fault_tolerance: Optional[Any] = None
+    owner: ClassVar[str] = "DiLoCoAlgorithm"
+    #: how :class:`~bagua.torch_api.sharded.replicas.ShardedReplicas` runs it (asked, so a subclass runs too)
+    replica_hook: ClassVar[str] = "diloco"
+
+    # The one live object among the fields: the documented way to make a wrapped model one worker of a
+    # fault-tolerant job (``with_bagua``'s signature is every algorithm's, so the algorithm is the only
+    # per-algorithm channel from the user to the engine). The settings proper (:class:`DiLoCoSettings`) hold
+    # none; the run (:class:`~bagua.torch_api.ops.diloco_driver.DiLoCoDriver`) takes the communicator apart.
+    fault_tolerance: Optional[FaultTolerance] = None
 
     def __post_init__(self) -> None:
-        owner = "DiLoCoAlgorithm"
-        check_int(owner, "sync_every", self.sync_every, 1, "inner steps between synchronizations")
-        if self.outer_lr != AUTO:
-            check_number(owner, "outer_lr", self.outer_lr, 0.0, 'the outer SGD\'s learning rate, or "auto"')
-        if self.outer_momentum != AUTO:
-            check_number(owner, "outer_momentum", self.outer_momentum, 0.0, 'the outer SGD\'s momentum, or "auto"')
-        if self.outer_momentum != AUTO and self.outer_momentum >= 1:
-            raise ValueError(f"{owner}(outer_momentum=...) must be below 1, got {self.outer_momentum!r}")
-        if self.outer_lr_warmup != AUTO:
-            check_int(owner, "outer_lr_warmup", self.outer_lr_warmup, 0, 'outer steps of outer-lr warm-up, or "auto"')
-        for name in ("nesterov", "hierarchical", "offload_outer_state"):
-            check_bool(owner, name, getattr(self, name))
-        if self.error_feedback is not None:
-            check_bool(owner, "error_feedback", self.error_feedback)
-        _check_outer_optimizer(self.outer_optimizer)
-        check_int(owner, "fragments", self.fragments, 1, "parameter fragments that synchronize in turn")
-        if self.fragments > self.sync_every:
-            raise ValueError(f"{owner}(fragments={self.fragments}) must be at most sync_every={self.sync_every}: "
-                             "each fragment synchronizes once per round of sync_every steps")
-        check_choice(owner, "fragment_layout", self.fragment_layout, FRAGMENT_LAYOUTS)
-        check_int(owner, "overlap_steps", self.overlap_steps, 0, "inner steps run while an exchange travels")
-        if self.overlap_steps >= self.sync_every:
-            raise ValueError(f"{owner}(overlap_steps={self.overlap_steps}) must be below sync_every="
-                             f"{self.sync_every}: a fragment's exchange must end before its next one starts")
-        check_number(owner, "overlap_alpha", self.overlap_alpha, 0.0, "weight of the local weights in the merge")
-        if self.overlap_alpha > 1:
-            raise ValueError(f"{owner}(overlap_alpha=...) must be in [0, 1], got {self.overlap_alpha!r}")
-        check_choice(owner, "compression", self.compression, COMPRESSIONS)
-        check_int(owner, "block_size", self.block_size, 2, "elements per min/max block")
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"{owner}(block_size=...) must be a power of two, got {self.block_size!r}")
-        check_int(owner, "warmup_steps", self.warmup_steps, 0, "gradient-allreduce steps before the inner phases")
+        super().__post_init__()
         if self.fault_tolerance is not None:
-            if not callable(getattr(self.fault_tolerance, "start_round", None)):
+            if not isinstance(self.fault_tolerance, FaultTolerance):
                 raise ValueError("DiLoCoAlgorithm(fault_tolerance=...) takes a bagua.torch_api.fault.FaultTolerance, "
                                  f"got {self.fault_tolerance!r}")
-            check_fault_tolerance(self, owner)
+            check_fault_tolerance(self, self.owner)
 
     def reify(self, process_group: BaguaProcessGroup) -> DiLoCoAlgorithmImpl:
         return DiLoCoAlgorithmImpl(process_group, self)

@@ -30,32 +30,42 @@ Example:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm, check_fault_tolerance
+from bagua.torch_api.algorithms.diloco import DiLoCoSettings, check_fault_tolerance
 from bagua.torch_api.comm.own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.comm.worker import CommWorker
+from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver, driver_property
-
-if TYPE_CHECKING:
-    from bagua.torch_api.fault.replica import FaultTolerance
 
 __all__ = ["DiLoCoOptimizer"]
 
 
-def _hyper(**kwargs: Any) -> DiLoCoAlgorithm:
-    """The hyper-parameters, checked as :class:`DiLoCoAlgorithm` checks them, errors naming this class."""
-    try:
-        hyper = DiLoCoAlgorithm(hierarchical=False, **kwargs)
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("DiLoCoAlgorithm(", "DiLoCoOptimizer(")) from None
-    return hyper
+@dataclass
+class _OptimizerSettings(DiLoCoSettings):
+    """DiLoCo's settings, checked once (by :class:`DiLoCoSettings`), errors naming this class."""
+
+    owner: ClassVar[str] = "DiLoCoOptimizer"
 
 
-def _check_fault_tolerance(hyper: DiLoCoAlgorithm, process_group: Any) -> None:
+#: the settings this optimizer takes: DiLoCo's, but ``hierarchical`` (it averages over its group, flat)
+SETTINGS = tuple(f.name for f in dataclasses.fields(DiLoCoSettings) if f.name != "hierarchical")
+
+
+def _settings(sync_every: int, settings: dict[str, Any]) -> DiLoCoSettings:
+    unknown = sorted(set(settings) - set(SETTINGS))
+    if unknown:
+        raise TypeError(f"DiLoCoOptimizer got unknown setting(s) {unknown}; it takes {', '.join(SETTINGS)}, "
+                        "process_group and fault_tolerance")
+    return _OptimizerSettings(sync_every=sync_every, hierarchical=False, **settings)
+
+
+def _check_fault_tolerance(hyper: DiLoCoSettings, process_group: Any) -> None:
     """Refuse, before anything is built, what fault-tolerant DiLoCo does not run (yet), saying why."""
     check_fault_tolerance(hyper, "DiLoCoOptimizer")
     if process_group is not None:
@@ -74,27 +84,17 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
 
     Args:
         inner_optimizer: the optimizer of the inner steps (e.g. ``AdamW``), over the parameters of the model.
-        sync_every: inner steps between two synchronizations of a fragment (``H``).
-        outer_lr, outer_momentum, nesterov: the default outer optimizer, SGD; ``"auto"``: chosen from the
-            number of ranks (workers) and ``sync_every`` (:func:`~bagua.torch_api.ops.diloco_outer.auto_outer`).
-        outer_lr_warmup: outer steps over which the outer learning rate rises linearly (0: none; ``"auto"``: the
-            rule's when ``outer_lr`` is ``"auto"`` too, else none).
-        outer_optimizer: instead, a factory ``f(list_of_tensors) -> torch.optim.Optimizer``.
-        fragments, fragment_layout: Streaming DiLoCo's fragments (1: plain DiLoCo), ``"contiguous"`` or
-            ``"strided"``; parameters are taken in the inner optimizer's order.
-        overlap_steps, overlap_alpha: ``tau`` inner steps run while a fragment's exchange travels (on a thread of
-            the optimizer's own), and the merge weight ``alpha``.
-        compression, error_feedback, block_size: what the pseudo-gradient travels as (``"none"``: float32).
-        warmup_steps: steps before the first inner phase, whose gradients DDP averages: register
-            ``local_hook`` with ``LocalState(warmup_steps=...)`` of the same value.
-        offload_outer_state: keep the global weights and the outer optimizer's state in CPU memory.
+        sync_every, settings: DiLoCo's settings, the keywords of
+            :class:`~bagua.torch_api.algorithms.diloco.DiLoCoSettings` but ``hierarchical`` (checked there; each
+            means what it means for :class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithm`). Here fragments
+            take the parameters in the inner optimizer's order, ``overlap_steps`` runs an exchange on a thread of
+            the optimizer's own, and the ``warmup_steps``' gradients are DDP's to average: register ``local_hook``
+            with ``LocalState(warmup_steps=...)`` of the same value.
         process_group: the ranks to synchronize (``None``: the default group; a torch ``ProcessGroup`` or a
             ``BaguaProcessGroup``).
         fault_tolerance: a :class:`~bagua.torch_api.fault.replica.FaultTolerance`: this process is one worker
             of a job whose workers fail alone; each synchronization runs over the live workers, and building the
             optimizer joins the job (the first worker's weights at the start, a live peer's state later).
-
-    The meaning of each hyper-parameter is that of :class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithm`.
 
     Attributes: ``inner`` (the wrapped optimizer), ``steps`` (steps counted), ``syncs`` (outer steps taken),
     ``bytes_sent``.
@@ -109,52 +109,27 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     #: are still counted, so the ranks keep one synchronization schedule
     _step_supports_amp_scaling = True
 
-    def __init__(
-        self,
-        inner_optimizer: torch.optim.Optimizer,
-        sync_every: int = 10,
-        outer_lr: Union[float, str] = "auto",
-        outer_momentum: Union[float, str] = "auto",
-        nesterov: bool = True,
-        outer_optimizer: Optional[Callable[[list[torch.Tensor]], torch.optim.Optimizer]] = None,
-        fragments: int = 1,
-        fragment_layout: str = "contiguous",
-        overlap_steps: int = 0,
-        overlap_alpha: float = 0.5,
-        compression: str = "none",
-        error_feedback: Optional[bool] = None,
-        block_size: int = 4096,
-        warmup_steps: int = 0,
-        offload_outer_state: bool = False,
-        outer_lr_warmup: Union[int, str] = "auto",
-        process_group: Any = None,
-        fault_tolerance: Optional[FaultTolerance] = None,
-    ) -> None:
+    def __init__(self, inner_optimizer: torch.optim.Optimizer, sync_every: int = 10, *, process_group: Any = None,
+                 fault_tolerance: Optional[FaultTolerance] = None, **settings: Any) -> None:
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise ValueError(f"DiLoCoOptimizer(inner_optimizer=...) must be a torch.optim.Optimizer, e.g. "
                              f"torch.optim.AdamW(model.parameters()); got {type(inner_optimizer).__name__}")
         # user hyper-parameters
         self.inner = inner_optimizer
-        self.hyper = _hyper(
-            sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-            outer_optimizer=outer_optimizer, fragments=fragments, fragment_layout=fragment_layout,
-            overlap_steps=overlap_steps, overlap_alpha=overlap_alpha, compression=compression,
-            error_feedback=error_feedback, block_size=block_size, warmup_steps=warmup_steps,
-            offload_outer_state=offload_outer_state, outer_lr_warmup=outer_lr_warmup,
-        )
-        # internal state: the driver (DiLoCo's outer loop, shared with DiLoCoAlgorithm) on a group of its own
+        self.hyper = _settings(sync_every, settings)
+        # internal state: the driver (DiLoCo's run, shared with DiLoCoAlgorithm) on a group of its own
         if fault_tolerance is not None:
             _check_fault_tolerance(self.hyper, process_group)
             self.ranks = [0]
             self.driver = DiLoCoDriver(self.hyper, "DiLoCoOptimizer", fault=fault_tolerance)
         else:
             self.ranks = group_ranks(process_group, "DiLoCoOptimizer")
-            worker = CommWorker("bagua-diloco-optimizer", None) if overlap_steps > 0 else None
+            worker = CommWorker("bagua-diloco-optimizer", None) if self.hyper.overlap_steps > 0 else None
             self.driver = DiLoCoDriver(self.hyper, "DiLoCoOptimizer", communicator=own_communicator(self.ranks),
                                        worker=worker)
             release_at_exit(self)
         self.hyper = self.driver.hyper  # "auto" outer settings resolved for the workers
-        if warmup_steps == 0:
+        if not self.driver.warming_up:
             self._build_fragments()
 
     # the driver's state, under the names this class always had
@@ -221,13 +196,8 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         :meth:`step` calls it; call it yourself after each step of the inner optimizer when a framework steps that
         optimizer (a Hugging Face ``TrainerCallback.on_optimizer_step``), on every rank, skipped steps included.
         """
-        W = self.hyper.warmup_steps
-        warm = self.steps < W
-        self.driver.count_step(warm)
-        if not warm:
-            self.driver.end_steps()
-        elif self.steps == W:
-            self._build_fragments()  # the inner phases start from the weights the warm-up ended with
+        self.driver.count_step()
+        self.driver.after_steps(self._build_fragments)  # once the warm-up is over: start the inner phases
 
     # -- fragments and their exchanges -------------------------------------------------------------------------
 
@@ -246,15 +216,11 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def _build_fragments(self, broadcast: bool = True) -> None:
         params = self._parameters()
-        if self.driver.fault is not None:  # join the job: the first worker's weights, or a live peer's state
-            self.driver.build(params)
-            self.driver.join(self.inner)
-            return
-        c = self.driver.communicator
-        if broadcast and c.group is not None and c.nranks() > 1:  # rank 0's weights everywhere, as with_bagua does
-            for p in params:
+        c = self.driver.communicator  # None with fault tolerance: joining the job sets the weights
+        if broadcast and c is not None and c.group is not None and c.nranks() > 1:
+            for p in params:  # rank 0's weights everywhere, as with_bagua does
                 dist.broadcast(p.data, c.global_rank(0), group=c.group)
-        self.driver.build(params)
+        self.driver.begin(params, self.inner)
 
     # -- checkpoints and teardown ------------------------------------------------------------------------------
 
@@ -274,7 +240,7 @@ class DiLoCoOptimizer(torch.optim.Optimizer):
         if diloco is None:
             return
         self.driver.load_state_dict(diloco)  # before the fragments are built, it waits for them
-        if not self.fragments and self.steps >= self.hyper.warmup_steps:
+        if not self.fragments and not self.driver.warming_up:
             self._build_fragments(broadcast=False)  # saved after the warm-up: the weights are each rank's own
         # else still warming up: the fragments are built when the warm-up ends
 

@@ -135,8 +135,31 @@ class DiLoCoDriver:
             nesterov=hyper.nesterov and hyper.outer_momentum > 0,
         )
 
-    def count_step(self, warm: bool) -> None:
-        """Count one inner step; a warm-up step (``warm``) has no end-of-step work, so it counts as processed."""
+    @property
+    def warming_up(self) -> bool:
+        """Whether the steps counted are still the warm-up's (``warmup_steps`` of plain gradient averaging)."""
+        return self.steps < self.hyper.warmup_steps
+
+    def begin(self, params: list[torch.Tensor], optimizer: Optional[torch.optim.Optimizer] = None,
+              units: Optional[Sequence[int]] = None, unit_bytes: Optional[Sequence[int]] = None) -> None:
+        """Start the inner phases: :meth:`build` the fragments over ``params`` (their values now are the global
+        weights), then, with fault tolerance, :meth:`join` the job (``optimizer``: the inner one, which heals
+        too)."""
+        self.build(params, units, unit_bytes)
+        if self.fault is not None:  # the first worker's weights, or a live peer's state
+            self.join(optimizer)
+
+    def after_steps(self, begin: Callable[[], None]) -> None:
+        """The end-of-step work of the steps counted: the first time the warm-up is over, ``begin()`` (the caller's
+        :meth:`begin` over its parameters); then :meth:`end_steps`."""
+        if not self.warming_up and not self.fragments:
+            begin()  # the inner phases start from the weights the warm-up reached
+        self.end_steps()
+
+    def count_step(self, warm: Optional[bool] = None) -> None:
+        """Count one inner step; a warm-up step (``warm``, default :attr:`warming_up`) has no end-of-step work, so
+        it counts as processed."""
+        warm = self.warming_up if warm is None else warm
         self.steps += 1
         if warm:
             self.processed = self.steps

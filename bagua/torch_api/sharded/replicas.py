@@ -39,10 +39,12 @@ from bagua.torch_api.ops.diloco_driver import DiLoCoDriver
 from bagua.torch_api.sharded.checkpoint import load_sharded_state_dict, sharded_state_dict
 from bagua.torch_api.sharded.mesh import check_mesh, fsdp_units, local_shard, replica_groups
 
-__all__ = ["ShardedReplicas", "SUPPORTED"]
+__all__ = ["ShardedReplicas", "SUPPORTED", "replica_hook"]
 
-#: the algorithms whose maths carries over to a sharded replica, by their class name
+#: the built-in algorithms whose maths carries over to a sharded replica (and their subclasses)
 SUPPORTED = ("GradientAllReduceAlgorithm", "ByteGradAlgorithm", "DiLoCoAlgorithm")
+#: what :func:`replica_hook` may answer: how a replica exchanges
+HOOKS = ("allreduce", "bytegrad", "diloco")
 
 _WHY_NOT = {
     "DecentralizedAlgorithm": "its peers exchange whole weights every step, with a peer chosen per step; "
@@ -51,6 +53,33 @@ _WHY_NOT = {
     "AsyncModelAverageAlgorithm": "its background thread would average weights while FSDP2 all-gathers them",
     "QAdamAlgorithm": "its compressed stage exchanges the optimizer's momentum, which the sharded optimizer owns",
 }
+
+
+def replica_hook(algorithm: Any) -> Optional[str]:
+    """Ask ``algorithm`` how it runs on sharded replicas: its ``replica_hook`` attribute (one of :data:`HOOKS`;
+    ``DiLoCoAlgorithm`` declares ``"diloco"``), or, for the built-in gradient averagers, what their class is (a
+    user's subclass included); ``None``: it does not run there."""
+    hook = getattr(algorithm, "replica_hook", None)
+    if hook is not None:
+        if hook not in HOOKS:
+            raise ValueError(f"{type(algorithm).__name__}.replica_hook={hook!r} names no sharded-replica exchange; "
+                             f"choose one of {HOOKS}")
+        return hook
+    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+
+    if isinstance(algorithm, ByteGradAlgorithm):
+        return "bytegrad"
+    if isinstance(algorithm, GradientAllReduceAlgorithm):
+        return "allreduce"
+    return None
+
+
+def _why_not(algorithm: Any) -> str:
+    for cls in type(algorithm).__mro__:  # a subclass of a refused algorithm: the same reason
+        if cls.__name__ in _WHY_NOT:
+            return _WHY_NOT[cls.__name__]
+    return "it is not written for sharded replicas"
 
 
 class ShardedReplicas:
@@ -74,13 +103,19 @@ class ShardedReplicas:
     def __init__(self, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], algorithm: Any,
                  device_mesh: Any, replicate_dim: str) -> None:
         name = type(algorithm).__name__
-        if name not in SUPPORTED:
-            why = _WHY_NOT.get(name, "it is not written for sharded replicas")
-            raise ValueError(f"{name} does not run on sharded replicas (device_mesh=...): {why}. Supported there: "
-                             f"{', '.join(SUPPORTED)}")
+        #: how this rank's replica exchanges: asked of the algorithm (see :func:`replica_hook`)
+        self.hook = replica_hook(algorithm)
+        if self.hook is None:
+            raise ValueError(f"{name} does not run on sharded replicas (device_mesh=...): {_why_not(algorithm)}. "
+                             f"Supported there: {', '.join(SUPPORTED)} (and their subclasses)")
         if not optimizers:
             raise ValueError("with_bagua(optimizers, ..., device_mesh=...) needs the optimizer(s) of the model")
-        if name == "ByteGradAlgorithm" and (algorithm.grad_scaler is not None or algorithm.nonfinite != "propagate"):
+        if self.hook == "diloco" and getattr(algorithm, "hierarchical", None) is True:
+            raise ValueError(f"{name}(hierarchical=True) does not run on sharded replicas (device_mesh=...): each "
+                             "shard's pseudo-gradient is averaged over its replica group, flat (with one replica "
+                             "per node, HSDP's usual layout, that is what hierarchical would do anyway); leave "
+                             "hierarchical unset or pass hierarchical=False")
+        if self.hook == "bytegrad" and (algorithm.grad_scaler is not None or algorithm.nonfinite != "propagate"):
             raise ValueError("ByteGradAlgorithm on sharded replicas supports neither grad_scaler= nor nonfinite= "
                              "other than 'propagate' yet (residuals are not rescaled, no finite check runs): leave "
                              "both at their defaults; a non-finite gradient then reaches every replica, so "
@@ -139,8 +174,7 @@ class ShardedReplicas:
         fsdp_modules = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
         for i, m in enumerate(fsdp_modules):
             m.set_all_reduce_hook(self._hook_for(i))
-        name = type(self.algorithm).__name__
-        if name == "DiLoCoAlgorithm":
+        if self.hook == "diloco":
             # with overlap, the exchanges travel on a thread of the driver's own while the next inner steps run
             worker = CommWorker("bagua-diloco-sharded", None) if self.algorithm.overlap_steps > 0 else None
             if self.fault is not None:  # each shard's exchanges over the same shard of the round's live workers
@@ -163,10 +197,9 @@ class ShardedReplicas:
         same units, as the unsharded model would be cut when its fragments end at unit boundaries."""
         assert self.driver is not None
         locals_ = [[s for s, _ in unit if s.numel()] for unit in self.units]
-        self.driver.build([s for unit in locals_ for s in unit], units=[len(u) for u in locals_],
+        # with fault tolerance, joining the job heals each shard from the same shard of a live peer
+        self.driver.begin([s for unit in locals_ for s in unit], self.optimizer, units=[len(u) for u in locals_],
                           unit_bytes=[sum(b for _, b in unit) for unit in self.units])
-        if self.fault is not None:  # join the job: the first worker's shards, or a live peer's, shard by shard
-            self.driver.join(self.optimizer)
 
     # -- the moments of a step ---------------------------------------------------------------------------------
 
@@ -178,12 +211,11 @@ class ShardedReplicas:
 
     def _exchange_gradient(self, unit: int, flat: torch.Tensor) -> None:
         """Average one unit's reduce-scatter output over the replicas, as the algorithm says."""
-        name = type(self.algorithm).__name__
-        if name == "DiLoCoAlgorithm":
+        if self.hook == "diloco":
             warm = self._count_step()
             if not warm:
                 return  # inner steps: each replica trains on its own gradients
-        if name == "ByteGradAlgorithm":
+        if self.hook == "bytegrad":
             ws = self._workspaces.get(unit)
             if ws is None:
                 a = self.algorithm
@@ -200,8 +232,8 @@ class ShardedReplicas:
         warm = self._warm
         if not self._counted:
             self._counted = True
-            warm = self._warm = self.steps < self.algorithm.warmup_steps
             assert self.driver is not None
+            warm = self._warm = self.driver.warming_up
             self.driver.count_step(warm)
         return warm
 
@@ -218,9 +250,7 @@ class ShardedReplicas:
         """Run the end-of-step work of the steps counted: build the fragments once the warm-up is over, then
         finish and start the exchanges due."""
         assert self.driver is not None
-        if self.steps >= self.algorithm.warmup_steps and not self.driver.fragments:
-            self._build_fragments()  # the inner phases start from the weights the warm-up reached
-        self.driver.end_steps()
+        self.driver.after_steps(self._build_fragments)
 
     # -- checkpoints -------------------------------------------------------------------------------------------
 
