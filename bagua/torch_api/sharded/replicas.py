@@ -2,7 +2,9 @@
 
 FSDP2 owns the shard dimension: it all-gathers weights for forward and backward and reduce-scatters gradients over
 the ranks of one replica. Bagua owns the replicate dimension: each rank exchanges only its own shard, with the
-ranks that hold the same shard in the other replicas, on a process group of Bagua's own.
+ranks that hold the same shard in the other replicas, on a process group of Bagua's own. How a replica exchanges
+is asked of the algorithm (:func:`replica_hook`), never read from its class name, so a user's subclass runs as the
+algorithm it extends:
 
 - ``gradient_allreduce``: FSDP2's all-reduce hook averages each unit's reduce-scatter output over the replicas
   (plain HSDP's maths);
@@ -10,7 +12,8 @@ ranks that hold the same shard in the other replicas, on a process group of Bagu
   residuals sharded like the gradient (one workspace per FSDP2 unit);
 - ``diloco`` (and streaming DiLoCo): no exchange at inner steps; every ``sync_every`` steps the pseudo-gradient of
   this rank's shard is averaged over the replicas and the outer step runs on the shard. Global weights, outer
-  momentum and residuals are held per shard (1/S of the unsharded amount); fragments are whole FSDP2 units.
+  momentum and residuals are held per shard (1/S of the unsharded amount); fragments are whole FSDP2 units. The
+  replicas average flat: ``DiLoCoAlgorithm(hierarchical=True)`` is refused (leave it unset, or ``False``).
   With ``DiLoCoAlgorithm(fault_tolerance=...)`` each replica is a job of its own that may fail alone (a ``(1, S)``
   mesh per worker): the shards are averaged over the round's live workers (:mod:`bagua.torch_api.fault.replica`).
 
