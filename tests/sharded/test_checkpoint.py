@@ -100,11 +100,26 @@ CASES = {
 }
 
 
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """``saved(case) -> (checkpoint path, the uninterrupted run)``: each case's run is spawned once for the tests
+    that load its checkpoint (loading only reads it)."""
+    runs: dict[str, tuple[str, list]] = {}
+
+    def run(case: str) -> tuple[str, list]:
+        if case not in runs:
+            name, kwargs = CASES[case]
+            path = str(tmp_path_factory.mktemp(case) / "ckpt")
+            runs[case] = (path, run_workers(_worker_save, 4, name, kwargs, path, timeout=180))
+        return runs[case]
+
+    return run
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_resumed_training_equals_uninterrupted_bitwise(case, tmp_path):
+def test_resumed_training_equals_uninterrupted_bitwise(case, saved):
     name, kwargs = CASES[case]
-    path = str(tmp_path / "ckpt")
-    uninterrupted = run_workers(_worker_save, 4, name, kwargs, path, timeout=180)
+    path, uninterrupted = saved(case)
     resumed = run_workers(_worker_load, 4, name, kwargs, path, timeout=180)
     for r in range(4):
         for a, b in zip(resumed[r]["loaded"], uninterrupted[r]["saved"]):
@@ -114,11 +129,10 @@ def test_resumed_training_equals_uninterrupted_bitwise(case, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["diloco", "bytegrad"])
-def test_loading_at_one_shard_per_replica(case, tmp_path):
+def test_loading_at_one_shard_per_replica(case, saved):
     """DCP reshards the model, the optimizer and DiLoCo's outer state; ByteGrad's residuals are refused."""
     name, kwargs = CASES[case]
-    path = str(tmp_path / "ckpt")
-    uninterrupted = run_workers(_worker_save, 4, name, kwargs, path, timeout=180)
+    path, uninterrupted = saved(case)
     resumed = run_workers(_worker_load, 2, name, kwargs, path, (2, 1), timeout=180)
     for r in range(2):  # replica r: ranks 2r and 2r + 1 at (2, 2), rank r at (2, 1)
         if case == "bytegrad":

@@ -85,20 +85,29 @@ def _worker_unsharded_diloco(rank, world, kwargs):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def test_gradient_allreduce_equals_native_hsdp_bitwise():
+@pytest.fixture(scope="module")
+def hsdp() -> list:
+    """Native HSDP's run, the same for every test that compares with it: spawned once."""
+    return run_workers(_worker_sharded, 4, "gradient_allreduce", {}, "hsdp", timeout=180)
+
+
+@pytest.fixture(scope="module")
+def alone() -> list:
+    """Each replica's own gradients (nothing between replicas), the same for every codec: spawned once."""
+    return run_workers(_worker_sharded, 4, "gradient_allreduce", {}, "replica", timeout=180)
+
+
+def test_gradient_allreduce_equals_native_hsdp_bitwise(hsdp):
     bagua = run_workers(_worker_sharded, 4, "gradient_allreduce", {}, timeout=180)
-    hsdp = run_workers(_worker_sharded, 4, "gradient_allreduce", {}, "hsdp", timeout=180)
     for r in range(4):
         for a, b in zip(bagua[r]["full"], hsdp[r]["full"]):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("codec", ["uint8", "chunk"])
-def test_bytegrad_gradients_within_the_codec_bound_of_hsdp(codec):
+def test_bytegrad_gradients_within_the_codec_bound_of_hsdp(codec, hsdp, alone):
     kwargs = {"codec": codec, "error_feedback": True, "hierarchical": False}
     bagua = run_workers(_worker_sharded, 4, "bytegrad", kwargs, timeout=180)
-    hsdp = run_workers(_worker_sharded, 4, "gradient_allreduce", {}, "hsdp", timeout=180)
-    alone = run_workers(_worker_sharded, 4, "gradient_allreduce", {}, "replica", timeout=180)
     # The first step's gradients (the same weights: only the codec differs). Each replica's shard is quantized at
     # its rank, then the average at the chunk's owner, each within half a level of 255 over the range of what it
     # codes (a chunk or block, inside this rank's whole shard): |error| <= (max_r range(g_r) + range(avg)) / 510.
