@@ -2,8 +2,9 @@
 
 ``model.bagua_sharded`` (a :class:`~bagua.torch_api.sharded.replicas.ShardedReplicas`) is a DCP ``Stateful``: save
 it beside the model's and the optimizer's state dicts, and a run loaded from the checkpoint trains on bit for bit as
-the uninterrupted run would (checked with 2 replicas x 2 shards for DiLoCo, streaming DiLoCo with uint8 residuals
-and an exchange in flight, and ByteGrad with error feedback). Its state, per rank:
+the uninterrupted run would (checked with 2 replicas x 2 shards for DiLoCo with SGD, Adam and AdamW as its inner
+optimizer, streaming DiLoCo with uint8 residuals and an exchange in flight, and ByteGrad with error feedback). Its
+state, per rank:
 
 - the step counters (the same on every rank: plain tensors);
 - DiLoCo's outer state, the same on every replica: each fragment's global weights, the outer optimizer's
