@@ -67,3 +67,23 @@ def test_a_private_module_imported_from_another_package_is_found(tmp_path):
         "pkg/other/user.py": "from pkg.inner._impl import x\n",
     })
     assert private_imports(pkg) == [("pkg.other.user", "pkg.inner._impl"), ("pkg.outer", "pkg.inner._impl")]
+
+
+def test_the_script_exits_0_on_bagua_and_1_naming_a_circle(tmp_path):
+    import subprocess
+
+    script = str(ROOT / "tools" / "import_cycles.py")
+    clean = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=120)
+    assert (clean.returncode, clean.stdout) == (0, ""), clean.stdout + clean.stderr
+    pkg = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.d import x\n",
+        "pkg/d.py": "import pkg.c\nx = 1\n",
+        "pkg/e/__init__.py": "",
+        "pkg/e/user.py": "from pkg.f import _impl\n",
+        "pkg/f/__init__.py": "",
+        "pkg/f/_impl.py": "",
+    })
+    found = subprocess.run([sys.executable, script, str(pkg)], capture_output=True, text=True, timeout=120)
+    assert found.returncode == 1
+    assert found.stdout.splitlines() == ["circle: pkg.c <-> pkg.d", "private: pkg.e.user imports pkg.f._impl"]
