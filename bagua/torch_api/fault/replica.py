@@ -38,11 +38,11 @@ import math
 import socket
 import statistics
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import torch
-import torch.distributed as dist
 
+from bagua.torch_api.fault.group import MemberGroup
 from bagua.torch_api.fault.heal import TAKE_INNER_STATE, heal_state, load_inner_state, serve_state
 from bagua.torch_api.fault.quorum import Excluded, Quorums
 from bagua.torch_api.fault.ranks import WorkerRanks
@@ -131,8 +131,7 @@ class FaultTolerance:
         self._load_state_dict: Optional[LoadStateDict] = None
         self.optimizer: Optional[torch.optim.Optimizer] = None  # the inner optimizer, whose state heals too
         # internal state
-        self._group: Optional[Any] = None
-        self._epoch: Optional[int] = None
+        self._groups = MemberGroup(self.quorums.store, self.quorums.prefix, self.hostname)
         self._joining = True  # a worker joins the job before its first round (and again when left out)
         self._round: Optional[Round] = None  # the round in progress
         self._error: Optional[BaseException] = None  # what its collectives raised, recorded
@@ -201,7 +200,7 @@ class FaultTolerance:
 
     def close(self) -> None:
         """Stop the heartbeat and drop the group (the others stop waiting for this worker after ``stale_s``)."""
-        self._drop_group()
+        self._groups.drop()
         self.quorums.close()
 
     # -- what the algorithm calls ----------------------------------------------------------------------------------
@@ -247,7 +246,8 @@ class FaultTolerance:
         self._error = None
         self._started = time.monotonic()
         try:
-            group = self._group_for(quorum, rank, len(weights))
+            group = self._groups.get(quorum, rank, self._exchange_timeout(),
+                                     self.ranks.rank if self.ranks is not None else None)
             for i, m in enumerate(healed):
                 src = sources[(i + quorum.key) % len(sources)].id
                 if src == self.worker:
@@ -287,11 +287,11 @@ class FaultTolerance:
             if r.healed:
                 buf.zero_()
             if r.equal_weights():
-                self._group.allreduce([buf]).wait(timeout)
+                self._groups.group.allreduce([buf]).wait(timeout)
                 buf.div_(r.size)
             else:
                 buf.mul_(r.weights[r.rank] / max(1, sum(r.weights)))
-                self._group.allreduce([buf]).wait(timeout)
+                self._groups.group.allreduce([buf]).wait(timeout)
             if buf is not tensor:
                 tensor.copy_(buf)
         except ROUND_ERRORS as exc:
@@ -305,7 +305,7 @@ class FaultTolerance:
             return None
         try:
             out = [torch.empty_like(tensor) for _ in range(r.size)]
-            self._group.allgather([out], [tensor]).wait(datetime.timedelta(seconds=self._exchange_timeout()))
+            self._groups.group.allgather([out], [tensor]).wait(datetime.timedelta(seconds=self._exchange_timeout()))
             return out
         except ROUND_ERRORS as exc:
             self.fail(exc)
@@ -317,7 +317,7 @@ class FaultTolerance:
             quorum = self._round.quorum.key if self._round is not None else -1
             _log.warning("worker %r: round of quorum %d failed (%s); the survivors run it again", self.worker,
                          quorum, exc)
-            self._drop_group()
+            self._groups.drop()
         self._error = exc
 
     def should_commit(self) -> bool:
@@ -358,34 +358,12 @@ class FaultTolerance:
         ok = self.ranks.all_ok(ok)
         return self.ranks.share(lambda: self.quorums.report(quorum, ok))
 
-    # -- the round's group -----------------------------------------------------------------------------------------
+    # -- timing ----------------------------------------------------------------------------------------------------
 
     def _exchange_timeout(self) -> float:
         if self.exchange_timeout_s is not None:
             return self.exchange_timeout_s
         return max(30.0, 4 * max(self.exchange_seconds)) if self.exchange_seconds else 30.0
-
-    def _group_for(self, quorum: Quorum, rank: int, size: int) -> Any:
-        """The gloo group of exactly the quorum's members: the last one when the members are the same."""
-        if self._group is not None and self._epoch == quorum.epoch:
-            return self._group
-        self._drop_group()
-        opts = dist.ProcessGroupGloo._Options()
-        opts._timeout = datetime.timedelta(seconds=self._exchange_timeout())
-        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=self.hostname)]
-        shard = f"s{self.ranks.rank}/" if self.ranks is not None else ""  # a group per shard: its ranks of each member
-        store = dist.PrefixStore(f"{self.quorums.prefix}/pg/{quorum.epoch}/{shard}", self.quorums.store)
-        self._group = dist.ProcessGroupGloo(store, rank, size, opts)
-        self._epoch = quorum.epoch
-        return self._group
-
-    def _drop_group(self) -> None:
-        if self._group is not None:
-            try:
-                self._group.abort()
-            except RuntimeError:
-                pass
-        self._group = self._epoch = None
 
     def median_exchange_s(self) -> float:
         """The median time of this worker's recent exchanges (0 before the first)."""
