@@ -1,0 +1,76 @@
+"""FaultTolerance as a communicator any algorithm can use: no DiLoCo here, only state callbacks and tensors.
+
+Two workers (threads of the test, each its own FaultTolerance) on a real coordinator: the first round heals the
+second from the first through the callbacks they registered (the first worker's state, bit for bit); the next
+round averages a tensor weighted by the samples each counted, against the weighted mean written plainly, and both
+commit.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from bagua.torch_api.fault.coordinator import start_coordinator
+from bagua.torch_api.fault.replica import FaultTolerance
+from tests.fault.test_quorum import _free_port
+
+
+@pytest.fixture()
+def coordinator():
+    port = _free_port()
+    proc = start_coordinator("127.0.0.1", port)
+    yield f"127.0.0.1:{port}"
+    proc.kill()
+    proc.wait()
+
+
+class _Algorithm:
+    """A toy algorithm's state: one tensor and a counter, healed through the callbacks."""
+
+    def __init__(self, seed: int) -> None:
+        self.x = torch.randn(5, generator=torch.Generator().manual_seed(seed))
+        self.rounds = seed
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"x": self.x.clone(), "rounds": torch.tensor(self.rounds)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.x.copy_(state["x"])
+        self.rounds = int(state["rounds"])
+
+
+def _worker(address: str, i: int, samples: int) -> dict:
+    ft = FaultTolerance(address, f"w{i}", workers=2, heartbeat_s=0.1, stale_s=1.0, timeout_s=30.0,
+                        exchange_timeout_s=10.0, prefix="communicator")
+    algo = _Algorithm(seed=10 + i)
+    ft.register(algo.state_dict, algo.load_state_dict, settings="toy", needs="the same toy")
+    join = ft.start_round(algo.rounds, -1)  # every worker joins first: the job's first round
+    joined = (join.quorum.first, join.healed, ft.should_commit(), algo.x.clone(), algo.rounds)
+    ft.add_samples(samples)
+    ft.count_step(1)
+    y = torch.arange(5, dtype=torch.float32) * (i + 1)
+    rnd = ft.start_round(algo.rounds, 0)
+    ft.allreduce(y)
+    out = {"joined": joined, "weights": rnd.weights, "healed": rnd.healed, "ok": ft.should_commit(), "y": y,
+           "stats": (ft.rounds, ft.heals, ft.served, ft.members)}
+    ft.close()
+    return out
+
+
+def test_heal_through_callbacks_and_weighted_average(coordinator):
+    with ThreadPoolExecutor(2) as pool:
+        a, b = pool.map(lambda args: _worker(coordinator, *args), [(0, 3), (1, 1)])
+    first = _Algorithm(seed=10)
+    # round 1: w1 took w0's state through its load callback; w0 kept its own
+    assert a["joined"][:3] == (True, False, True) and b["joined"][:3] == (True, True, True)
+    assert torch.equal(a["joined"][3], first.x) and torch.equal(b["joined"][3], first.x)
+    assert a["joined"][4] == b["joined"][4] == 10
+    # round 2: weighted by the samples counted (3 and 1), nobody heals
+    assert a["weights"] == b["weights"] == (3, 1) and not a["healed"] and not b["healed"] and a["ok"] and b["ok"]
+    expected = (3 * torch.arange(5.0) + 1 * 2 * torch.arange(5.0)) / 4
+    for r in (a, b):
+        torch.testing.assert_close(r["y"], expected, rtol=0, atol=1e-6)
+    assert a["stats"] == (2, 0, 1, ["w0", "w1"]) and b["stats"] == (2, 1, 0, ["w0", "w1"])
