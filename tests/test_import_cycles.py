@@ -7,7 +7,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 
-from import_cycles import cycles, private_imports  # noqa: E402
+from import_cycles import cycles, private_imports, private_names  # noqa: E402
 
 
 def _package(tmp_path, files):
@@ -22,8 +22,9 @@ def test_bagua_has_no_import_circle():
     assert cycles(ROOT / "bagua") == []
 
 
-def test_no_bagua_package_imports_another_packages_private_module():
+def test_no_bagua_package_imports_another_packages_private_module_or_name():
     assert private_imports(ROOT / "bagua") == []
+    assert private_names(ROOT / "bagua") == []
 
 
 def test_a_circle_behind_type_checking_is_found(tmp_path):
@@ -67,6 +68,17 @@ def test_a_private_module_imported_from_another_package_is_found(tmp_path):
         "pkg/other/user.py": "from pkg.inner._impl import x\n",
     })
     assert private_imports(pkg) == [("pkg.other.user", "pkg.inner._impl"), ("pkg.outer", "pkg.inner._impl")]
+
+
+def test_a_private_name_imported_from_another_package_is_found(tmp_path):
+    pkg = _package(tmp_path, {
+        "pkg/__init__.py": "",
+        "pkg/inner/__init__.py": "from pkg.inner.mod import _helper\n",  # its own package: fine
+        "pkg/inner/mod.py": "def _helper():\n    pass\n\ndef public():\n    pass\n",
+        "pkg/other.py": "from pkg.inner.mod import _helper, public\n",
+        "pkg/fine.py": "from pkg.inner.mod import public\nfrom pkg.inner import mod\nx = mod._helper\n",
+    })
+    assert private_names(pkg) == [("pkg.other", "pkg.inner.mod._helper")]
 
 
 def test_the_script_exits_0_on_bagua_and_1_naming_a_circle(tmp_path):

@@ -6,7 +6,8 @@ function (a deferred import hides a circle from Python, not from the reader) and
 type annotation ties two layers as firmly as a call). A package's ``__init__`` importing its own submodules is
 not an edge (it only re-exports them), and ``from pkg import module`` is an edge to the module, not to ``pkg``.
 
-A private module (``_name.py``) belongs to its package: importing it from another package is reported too.
+A private module (``_name.py``) or a private name (``_name`` in a module) belongs to its package: importing it
+from another package is reported too (``from pkg.mod import _helper``; not attribute reads such as ``mod._helper``).
 
 Usage::
 
@@ -15,8 +16,8 @@ Usage::
 Example:
     >>> import pathlib
     >>> root = pathlib.Path(__file__).resolve().parent.parent / "bagua"
-    >>> cycles(root), private_imports(root)
-    ([], [])
+    >>> cycles(root), private_imports(root), private_names(root)
+    ([], [], [])
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import ast
 import pathlib
 import sys
 
-__all__ = ["module_imports", "import_graph", "cycles", "private_imports"]
+__all__ = ["module_imports", "import_graph", "cycles", "private_imports", "private_names"]
 
 
 def _module_names(package: pathlib.Path) -> dict[str, pathlib.Path]:
@@ -126,9 +127,31 @@ def private_imports(package: pathlib.Path) -> list[tuple[str, str]]:
     return sorted(found)
 
 
+def _outside(importer_package: str, owner: str) -> bool:
+    return not (importer_package == owner or importer_package.startswith(owner + "."))
+
+
+def private_names(package: pathlib.Path) -> list[tuple[str, str]]:
+    """Return the pairs ``(importer, "module._name")`` where a module imports a private name of another package's
+    module by ``from module import _name``."""
+    names = _module_names(package)
+    found = []
+    for importer, path in names.items():
+        importer_package = importer if path.name == "__init__.py" else importer.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.ImportFrom) or node.level or node.module not in names:
+                continue
+            owner = node.module if names[node.module].name == "__init__.py" else node.module.rpartition(".")[0]
+            for alias in node.names:
+                private = alias.name.startswith("_") and not alias.name.startswith("__")
+                if private and f"{node.module}.{alias.name}" not in names and _outside(importer_package, owner):
+                    found.append((importer, f"{node.module}.{alias.name}"))
+    return sorted(found)
+
+
 if __name__ == "__main__":
     root = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else pathlib.Path(__file__).resolve().parent.parent / "bagua"
-    circles, private = cycles(root), private_imports(root)
+    circles, private = cycles(root), private_imports(root) + private_names(root)
     for circle in circles:
         print("circle: " + " <-> ".join(circle))
     for importer, target in private:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from bagua.torch_api.comm.lifecycle import _device_for_backend, _get_default_group
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
-from bagua.torch_api.comm.reduce_op import ReduceOp, _finish_avg, _reduce_op
+from bagua.torch_api.comm.reduce_op import ReduceOp, finish_avg, to_torch_op
 
 # The one list of the collectives' names: communication.py and the package's __init__ export these.
 __all__ = [
@@ -142,9 +142,9 @@ def reduce_inplace(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, 
     c = _resolve(comm)
     if not _active(c):
         return
-    dist.reduce(tensor, dst=c.global_rank(dst), op=_reduce_op(op), group=c.group)
+    dist.reduce(tensor, dst=c.global_rank(dst), op=to_torch_op(op), group=c.group)
     if c.rank() == dst:
-        _finish_avg(tensor, op, c.nranks())
+        finish_avg(tensor, op, c.nranks())
 
 
 def allreduce(
@@ -164,8 +164,8 @@ def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: C
     if ReduceOp(op) == ReduceOp.AVG and dist.get_backend(c.group) == "nccl":
         dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=c.group)
         return
-    dist.all_reduce(tensor, op=_reduce_op(op), group=c.group)
-    _finish_avg(tensor, op, c.nranks())
+    dist.all_reduce(tensor, op=to_torch_op(op), group=c.group)
+    finish_avg(tensor, op, c.nranks())
 
 
 def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Comm = None) -> None:
@@ -242,8 +242,8 @@ def reduce_scatter(
     if c is None:
         return
     out = recv_tensor.view(-1)
-    reduce_scatter_tensor(out, send_tensor.contiguous().view(-1), op=_reduce_op(op), group=c.group)
-    _finish_avg(out, op, c.nranks())
+    reduce_scatter_tensor(out, send_tensor.contiguous().view(-1), op=to_torch_op(op), group=c.group)
+    finish_avg(out, op, c.nranks())
 
 
 def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Comm = None) -> None:
@@ -255,9 +255,9 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
     chunk = flat.numel() // c.nranks()
     out = _chunk(flat, c.rank(), chunk)
     result = torch.empty_like(out)
-    reduce_scatter_tensor(result, flat.clone(), op=_reduce_op(op), group=c.group)
+    reduce_scatter_tensor(result, flat.clone(), op=to_torch_op(op), group=c.group)
     out.copy_(result)
-    _finish_avg(out, op, c.nranks())
+    finish_avg(out, op, c.nranks())
 
 
 def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Comm = None) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "from_torch_group",
     "get_backend",
     "on_shutdown",
+    "torch_group_of",
 ]
 
 _default_pg: Optional[BaguaProcessGroup] = None
@@ -201,8 +202,8 @@ def _reset() -> None:
     _process_group._ABORTED.clear()  # torch groups of aborted communicators: gone with torch.distributed
 
 
-def _torch_group_of(process_group: Any = None) -> Optional[dist.ProcessGroup]:
-    """The torch group behind ``process_group`` (a :class:`BaguaProcessGroup`, a torch group, or ``None`` for the
+def torch_group_of(process_group: Any = None) -> Optional[dist.ProcessGroup]:
+    """Return the torch group behind ``process_group`` (a :class:`BaguaProcessGroup`, a torch group, or ``None`` for the
     default group); ``None`` when ``torch.distributed`` is not initialized or this rank is outside the group."""
     if not (dist.is_available() and dist.is_initialized()):
         return None

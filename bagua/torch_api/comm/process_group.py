@@ -347,12 +347,12 @@ def _plain(tensor: Any) -> torch.Tensor:
 
 
 def _torch_op(op: int) -> dist.ReduceOp:
-    from bagua.torch_api.comm.reduce_op import _reduce_op
+    from bagua.torch_api.comm.reduce_op import to_torch_op
 
-    return _reduce_op(op)
+    return to_torch_op(op)
 
 
 def _finish(tensor: torch.Tensor, op: int, n: int) -> None:
-    from bagua.torch_api.comm.reduce_op import _finish_avg
+    from bagua.torch_api.comm.reduce_op import finish_avg
 
-    _finish_avg(tensor, op, n)
+    finish_avg(tensor, op, n)

@@ -1,7 +1,7 @@
 """Bagua's reduction operators (:class:`ReduceOp`, the original's values) and their translation to torch's.
 
 Part of :mod:`bagua.torch_api.communication`, which re-exports :class:`ReduceOp`. ``AVG`` runs as a ``SUM`` followed
-by a division (:func:`_finish_avg`), except where the backend averages itself.
+by a division (:func:`finish_avg`), except where the backend averages itself; :func:`to_torch_op` gives the op to run.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import enum
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReduceOp"]
+__all__ = ["ReduceOp", "to_torch_op", "finish_avg"]
 
 
 class ReduceOp(enum.IntEnum):
@@ -38,14 +38,21 @@ _TORCH_OPS = {
 }
 
 
-def _reduce_op(op: ReduceOp) -> dist.ReduceOp:
+def to_torch_op(op: ReduceOp) -> dist.ReduceOp:
+    """Return the torch operator that runs ``op`` (``SUM`` for ``AVG``, which :func:`finish_avg` completes).
+
+    Example:
+        >>> to_torch_op(ReduceOp.AVG) == dist.ReduceOp.SUM
+        True
+    """
     op = ReduceOp(op)
     if op == ReduceOp.AVG:
         return dist.ReduceOp.SUM
     return _TORCH_OPS[op]
 
 
-def _finish_avg(tensor: torch.Tensor, op: ReduceOp, n: int) -> None:
+def finish_avg(tensor: torch.Tensor, op: ReduceOp, n: int) -> None:
+    """Divide ``tensor`` by ``n`` in place when ``op`` is ``AVG`` (floor division for integers); else do nothing."""
     if ReduceOp(op) == ReduceOp.AVG:
         if tensor.is_floating_point() or tensor.is_complex():
             tensor.div_(n)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from bagua.torch_api.comm.lifecycle import _torch_group_of
+from bagua.torch_api.comm.lifecycle import torch_group_of
 
 __all__ = ["SyncBatchNorm", "convert_sync_batchnorm"]
 
@@ -127,7 +127,7 @@ class SyncBatchNorm(_BatchNorm):
 
 def _resolve_group(process_group: Any) -> Optional[dist.ProcessGroup]:
     """The torch group to synchronize over, or ``None`` when there is nothing to synchronize with."""
-    group = _torch_group_of(process_group)
+    group = torch_group_of(process_group)
     if group is None or dist.get_world_size(group) < 2:
         return None
     return group

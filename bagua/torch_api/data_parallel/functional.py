@@ -18,8 +18,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.comm.lifecycle import _torch_group_of
-from bagua.torch_api.comm.reduce_op import ReduceOp, _reduce_op
+from bagua.torch_api.comm.lifecycle import torch_group_of
+from bagua.torch_api.comm.reduce_op import ReduceOp, to_torch_op
 
 __all__ = ["all_reduce"]
 
@@ -58,8 +58,8 @@ def all_reduce(
     if isinstance(op, ReduceOp):
         if op == ReduceOp.AVG:
             raise ValueError("all_reduce: ReduceOp.AVG has no torch op on every backend; use SUM and divide")
-        op = _reduce_op(op)
-    torch_group = _torch_group_of(group)
+        op = to_torch_op(op)
+    torch_group = torch_group_of(group)
     if group is not None and torch_group is None and dist.is_initialized():
         return tensor.clone()  # a rank outside ``group`` has nothing to reduce (as the collectives return at once)
     return _AllReduce.apply(op, torch_group, tensor)

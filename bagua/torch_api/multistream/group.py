@@ -13,7 +13,7 @@ import torch.distributed as dist
 from bagua.torch_api import communication
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGroup
-from bagua.torch_api.comm.reduce_op import _finish_avg, _reduce_op
+from bagua.torch_api.comm.reduce_op import finish_avg, to_torch_op
 
 __all__ = ["DEFAULT_NUM_STREAMS", "DEFAULT_MIN_CHUNK_BYTES", "Comm", "IterationClock", "MultiStreamGroup"]
 
@@ -138,12 +138,12 @@ class MultiStreamGroup:
             return tensor
         for work in self.allreduce_async(tensor, op):
             work.wait()
-        _finish_avg(tensor, op, len(self.ranks))
+        finish_avg(tensor, op, len(self.ranks))
         return tensor
 
     def allreduce_async(self, tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM) -> list[Any]:
         """Launch the pieces' allreduces (SUM for ``AVG``; the caller divides) and return their works."""
-        return self._launch(tensor, _reduce_op(op))
+        return self._launch(tensor, to_torch_op(op))
 
     def _launch(self, tensor: torch.Tensor, torch_op: Any) -> list[Any]:
         pieces = self.pieces(tensor)

@@ -28,7 +28,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.comm.lifecycle import _torch_group_of
+from bagua.torch_api.comm.lifecycle import torch_group_of
 from bagua.torch_api.model_parallel.moe.gating import NOISY_GATE_POLICIES, TopKGate
 
 __all__ = ["MoE", "MOELayer", "Experts"]
@@ -183,7 +183,7 @@ class MoE(torch.nn.Module):
 def _resolve_group(process_group: Any) -> Optional[dist.ProcessGroup]:
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    group = _torch_group_of(process_group)
+    group = torch_group_of(process_group)
     if group is None:
         raise ValueError("this rank is not a member of the MoE's process_group; every rank of it must build the layer")
     return group
