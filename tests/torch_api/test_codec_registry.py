@@ -244,3 +244,49 @@ def test_low_precision_decentralized_runs_every_codec_and_its_aliases():
         for alias, name in ALIASES.items():
             assert all(torch.equal(a, b) for a, b in zip(by_codec[alias][0], by_codec[name][0])), alias
         assert not all(torch.equal(a, b) for a, b in zip(by_codec["uint4"][0], by_codec["chunk"][0]))
+
+
+# -- DiLoCo takes the same keyword: codec= (compression=, its older name, still works) -----------------------------
+
+
+def test_diloco_takes_codec_and_its_older_keyword():
+    from bagua.torch_api.algorithms.diloco import COMPRESSIONS, DiLoCoAlgorithm
+    from bagua.torch_api.contrib import DiLoCoOptimizer
+
+    for name in COMPRESSIONS:
+        by_codec, by_compression = DiLoCoAlgorithm(codec=name), DiLoCoAlgorithm(compression=name)
+        assert by_codec == by_compression and by_codec.codec == by_codec.compression == name
+    assert DiLoCoAlgorithm().codec == "none"
+    with pytest.raises(ValueError, match=r"DiLoCoAlgorithm\(codec='MinMaxUInt8'\): choose one of 'none', 'bf16'"):
+        DiLoCoAlgorithm(codec="MinMaxUInt8")  # the per-rank chunk code does not carry pseudo-gradients
+    with pytest.raises(ValueError, match=r"DiLoCoAlgorithm\(compression='int4'\): choose one of .*'uint4'"):
+        DiLoCoAlgorithm(compression="int4")
+    with pytest.raises(ValueError, match="name two codecs: pass codec= alone"):
+        DiLoCoAlgorithm(codec="uint4", compression="uint8")
+    inner = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"DiLoCoOptimizer\(codec='int8'\): choose one of"):
+        DiLoCoOptimizer(inner, 2, codec="int8")
+
+
+def _worker_diloco_codec(rank, world_size, keywords):
+    from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model = model.with_bagua([opt], DiLoCoAlgorithm(sync_every=2, hierarchical=False, block_size=8, **keywords))
+    for step in range(6):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return params_of(model)
+
+
+def test_diloco_trains_with_codec_bit_for_bit_like_compression():
+    by_codec = run_workers(_worker_diloco_codec, 2, {"codec": "uint4"})
+    by_compression = run_workers(_worker_diloco_codec, 2, {"compression": "uint4"})
+    float32 = run_workers(_worker_diloco_codec, 2, {})
+    for a, b, c in zip(by_codec, by_compression, float32):
+        assert all(torch.equal(p, q) for p, q in zip(a, b))
+        assert not all(torch.equal(p, q) for p, q in zip(a, c))  # the codec is used, not dropped

@@ -44,6 +44,7 @@ import torch
 from bagua.torch_api.algorithms.checks import check_bool, check_choice, check_int, check_number
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
 from bagua.torch_api.fault.replica import FaultTolerance
+from bagua.torch_api.codecs.registry import GlobalCodecRegistry
 from bagua.torch_api.ops.diloco import FRAGMENT_LAYOUTS
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver, driver_property
 from bagua.torch_api.ops.diloco_outer import AUTO
@@ -182,6 +183,29 @@ def check_fault_tolerance(hyper: "DiLoCoSettings", owner: str) -> None:
             raise ValueError(f"{owner}(fault_tolerance=...) needs {name}={needed!r}, got {value!r}: {why}")
 
 
+def _pick_codec(owner: str, codec: Optional[str], compression: str) -> str:
+    """The registered name of the pseudo-gradient's codec, from ``codec=`` (the keyword every algorithm takes) or
+    ``compression=`` (DiLoCo's older keyword, kept): ``"none"`` (float32) or one of :data:`COMPRESSIONS`. Aliases
+    resolve through :data:`~bagua.torch_api.codecs.registry.GlobalCodecRegistry`; two different codecs raise."""
+    names = set()
+    for keyword, value in (("codec", codec), ("compression", compression)):
+        if value is None or (keyword == "compression" and value == "none" and codec is not None):
+            continue  # unset: the other keyword decides
+        name = value
+        if isinstance(value, str) and value != "none":
+            try:
+                name = GlobalCodecRegistry.canonical(value)  # an alias gives the codec's name
+            except ValueError:
+                pass  # not a codec at all: check_choice names the choices
+        if name not in COMPRESSIONS:
+            check_choice(owner, keyword, value, COMPRESSIONS)
+        names.add(name)
+    if len(names) > 1:
+        raise ValueError(f"{owner}(codec={codec!r}, compression={compression!r}) name two codecs: pass codec= "
+                         "alone (compression= is its older name)")
+    return names.pop()
+
+
 def _check_outer_optimizer(owner: str, value: Any) -> None:
     if value is not None and not callable(value):
         raise ValueError(f"{owner}(outer_optimizer=...) must build an optimizer from a list of tensors, e.g. "
@@ -221,9 +245,12 @@ class DiLoCoSettings:
     hierarchical: Optional[bool] = None
     offload_outer_state: bool = False
     outer_lr_warmup: Union[int, str] = AUTO
+    codec: Optional[str] = None
 
     def __post_init__(self) -> None:
         owner = self.owner
+        # one codec keyword for every algorithm: both fields end holding the registered name
+        self.compression = self.codec = _pick_codec(owner, self.codec, self.compression)
         check_int(owner, "sync_every", self.sync_every, 1, "inner steps between synchronizations")
         if self.outer_lr != AUTO:
             check_number(owner, "outer_lr", self.outer_lr, 0.0, 'the outer SGD\'s learning rate, or "auto"')
@@ -251,7 +278,6 @@ class DiLoCoSettings:
         check_number(owner, "overlap_alpha", self.overlap_alpha, 0.0, "weight of the local weights in the merge")
         if self.overlap_alpha > 1:
             raise ValueError(f"{owner}(overlap_alpha=...) must be in [0, 1], got {self.overlap_alpha!r}")
-        check_choice(owner, "compression", self.compression, COMPRESSIONS)
         check_int(owner, "block_size", self.block_size, 2, "elements per min/max block")
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"{owner}(block_size=...) must be a power of two, got {self.block_size!r}")
@@ -283,7 +309,8 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
             ``sync_every``); 0 waits for it at once.
         overlap_alpha: with ``overlap_steps > 0``, the weights become ``alpha * x + (1 - alpha) * g``.
         compression: ``"none"`` (float32 allreduce), ``"bf16"``, ``"uint8"`` or ``"uint4"`` (block-wise min/max
-            codes), or ``"nf2"`` (2-bit codes about each block's mean and RMS; pass ``block_size=256``).
+            codes), or ``"nf2"`` (2-bit codes about each block's mean and RMS; pass ``block_size=256``): a name of
+            :data:`~bagua.torch_api.codecs.registry.GlobalCodecRegistry`, or ``"none"``.
         error_feedback: keep each rank's compression error and add it to the next pseudo-gradient; ``None``
             (default) means on when compressed.
         block_size: elements per block of the 8-, 4- and 2-bit codes.
@@ -299,6 +326,8 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
         outer_lr_warmup: the default outer optimizer's learning rate rises linearly over this many outer steps of
             each fragment (``outer_lr * k / W`` at its ``k``-th, from 1); 0: none; ``"auto"`` (default): the
             rule's (10 up to ``H = 20``) when ``outer_lr`` is ``"auto"`` too, else none.
+        codec: the same choice as ``compression`` under the keyword every algorithm takes (ByteGrad's, QAdam's);
+            pass one of the two. After construction both hold the codec's registered name.
 
     Example:
         >>> algorithm = DiLoCoAlgorithm(sync_every=100, fragments=4, overlap_steps=2, compression="uint4")
