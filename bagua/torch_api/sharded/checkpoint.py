@@ -245,10 +245,12 @@ def _load_bytegrad(replicas: Any, saved: dict[int, tuple[int, dict[str, torch.Te
 
 
 def _has_residuals(replicas: Any) -> bool:
-    a, name = replicas.algorithm, type(replicas.algorithm).__name__
-    if name == "ByteGradAlgorithm":
+    """Whether the replica exchange keeps codec residuals: asked of its hook (``replicas.hook``, what the algorithm
+    answered), never of the algorithm's class name, so a user's subclass saves them too."""
+    a = replicas.algorithm
+    if replicas.hook == "bytegrad":
         return bool(a.error_feedback)
-    return name == "DiLoCoAlgorithm" and replicas.driver.error_feedback and a.compression != "none"
+    return replicas.hook == "diloco" and replicas.driver.error_feedback and a.compression != "none"
 
 
 def sharded_state_dict(replicas: Any) -> dict[str, Any]:
