@@ -28,19 +28,21 @@ from typing import Any, Optional
 import torch
 
 from bagua.torch_api import communication as comm
-from bagua.torch_api.codecs.block import decode, encode, wire_numel
+from bagua.torch_api.codecs.block import decode, wire_numel
 from bagua.torch_api.codecs.block_allreduce import block_allreduce_inplace
+from bagua.torch_api.codecs.workspace import allgather_average
+from bagua.torch_api.comm.cost import ring_allreduce_bytes
 from bagua.torch_api.comm.process_group import BaguaCommunicator
 from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.fault.records import Round
 
-__all__ = ["OverRanks", "OverMembers", "MemberResiduals", "ring_allreduce_bytes", "wire_bytes"]
+__all__ = ["OverRanks", "OverMembers", "MemberResiduals", "float32_allreduce_bytes", "wire_bytes"]
 
 
-def ring_allreduce_bytes(numel: int, members: int) -> int:
+def float32_allreduce_bytes(numel: int, members: int) -> int:
     """Bytes one rank sends in a float32 ring allreduce of ``numel`` values among ``members``."""
-    return 2 * (members - 1) * 4 * numel // members
+    return int(ring_allreduce_bytes(4 * numel, members))
 
 
 def wire_bytes(numel: int, codec: str, block_size: int, members: int) -> int:
@@ -57,7 +59,7 @@ class OverRanks:
     def average(self, delta: torch.Tensor) -> int:
         """Float32 allreduce of ``delta`` in place; return the bytes this rank sent."""
         comm.allreduce_inplace(delta, ReduceOp.AVG, self.c)
-        return ring_allreduce_bytes(delta.numel(), self.c.nranks())
+        return float32_allreduce_bytes(delta.numel(), self.c.nranks())
 
     def compressed_average(self, fragment: Any, codec: str, block_size: int, error_feedback: bool) -> int:
         """The block codec's scatter-reduce-gather of ``fragment.delta`` in place, its buffers and residuals in
@@ -104,7 +106,7 @@ class OverMembers:
     def average(self, delta: torch.Tensor) -> int:
         """Weighted float32 allreduce of ``delta`` in place; return the bytes this member sent."""
         self.ft.allreduce(delta)
-        return ring_allreduce_bytes(delta.numel(), self.rnd.size)
+        return float32_allreduce_bytes(delta.numel(), self.rnd.size)
 
     @torch.no_grad()
     def compressed_average(self, fragment: Any, codec: str, block_size: int, error_feedback: bool) -> int:
@@ -126,22 +128,14 @@ class OverMembers:
         else:
             x = flat
         n = x.numel()
-        wire = encode(x, codec, block_size)
-        wires = self.ft.allgather(wire)
-        if wires is None:
+        # every member decodes the same wires in member order: the same average, bit for bit
+        averaged = allgather_average(x, codec, self.ft.allgather, block_size,
+                                     weights=None if rnd.equal_weights() else rnd.weights)
+        if averaged is None:
             return 0
+        out, wire = averaged
         if ws is not None:
             device = ws.residual.device if ws.residual is not None else delta.device
             ws.candidate = (x - decode(wire, n, codec, block_size)).to(device)
-        out = torch.zeros(n, dtype=torch.float32)
-        if rnd.equal_weights():
-            for w in wires:
-                decode(w, n, codec, block_size, out=out, accumulate=True)
-            out.div_(rnd.size)
-        else:
-            total = max(1, sum(rnd.weights))
-            for w, weight in zip(wires, rnd.weights):
-                if weight:
-                    out.add_(decode(w, n, codec, block_size), alpha=weight / total)
         delta.copy_(out.view_as(delta))
         return wire_bytes(n, codec, block_size, rnd.size)
