@@ -31,7 +31,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -314,6 +314,8 @@ class AsyncModelAverageAlgorithm(Algorithm):
         >>> # ... train ...
         >>> model.bagua_algorithm.abort(model)  # doctest: +SKIP
     """
+
+    replica_refusal: ClassVar[str] = "its background thread would average weights while FSDP2 all-gathers them"
 
     peer_selection_mode: str = "all"
     sync_interval_ms: int = 500

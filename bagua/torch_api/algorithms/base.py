@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, ClassVar, Optional, Sequence
 
 import torch
 
@@ -89,7 +89,14 @@ class Algorithm:
     """Base class of algorithm hyper-parameter holders.
 
     Subclasses are dataclasses (picklable, no process state) implementing :meth:`reify`.
+
+    Class attributes that the layers above ask (never the class's name, so a user's subclass answers as its base):
+    ``replica_hook``, how it runs on FSDP2 sharded replicas (``"allreduce"``, ``"bytegrad"``, ``"diloco"``;
+    ``None``: it does not), and ``replica_refusal``, why not.
     """
+
+    replica_hook: ClassVar[Optional[str]] = None
+    replica_refusal: ClassVar[str] = "it is not written for sharded replicas"
 
     def reify(self, process_group: BaguaProcessGroup) -> "AlgorithmImpl":
         """Return the implementation of this algorithm bound to ``process_group``."""

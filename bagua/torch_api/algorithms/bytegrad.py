@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -204,6 +204,8 @@ class ByteGradAlgorithm(Algorithm):
         >>> model = model.with_bagua([optimizer], bytegrad.ByteGradAlgorithm())  # doctest: +SKIP
         >>> algorithm = bytegrad.ByteGradAlgorithm(codec="uint8", error_feedback=True)
     """
+
+    replica_hook: ClassVar[Optional[str]] = "bytegrad"
 
     hierarchical: bool = True
     average: bool = True

@@ -24,7 +24,7 @@ between the node's ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ClassVar, Sequence
 
 import torch
 from bagua.torch_api.comm import hierarchy
@@ -179,6 +179,9 @@ class DecentralizedAlgorithm(Algorithm):
         >>> algorithm = decentralized.DecentralizedAlgorithm(peer_selection_mode="shift_one")
         >>> model = model.with_bagua([optimizer], algorithm)  # doctest: +SKIP
     """
+
+    replica_refusal: ClassVar[str] = ("its peers exchange whole weights every step, with a peer chosen per step; "
+                                   "use DiLoCoAlgorithm, which also sends weights, every sync_every steps")
 
     hierarchical: bool = True
     peer_selection_mode: str = "all"

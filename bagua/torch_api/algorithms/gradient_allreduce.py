@@ -7,6 +7,7 @@ all their gradients are ready, while backward goes on.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Optional
 
 from bagua.torch_api.algorithms.checks import check_bool
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
@@ -46,6 +47,8 @@ class GradientAllReduceAlgorithm(Algorithm):
         >>> algorithm = gradient_allreduce.GradientAllReduceAlgorithm()
         >>> model = model.with_bagua([optimizer], algorithm)  # doctest: +SKIP
     """
+
+    replica_hook: ClassVar[Optional[str]] = "allreduce"
 
     hierarchical: bool = False
     average: bool = True

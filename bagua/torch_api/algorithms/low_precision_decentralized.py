@@ -6,7 +6,7 @@ one byte per weight crosses the network. See :class:`LowPrecisionDecentralizedAl
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, ClassVar, Iterator, Optional
 
 import torch
 from bagua.torch_api.comm import hierarchy
@@ -185,6 +185,8 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         >>> algorithm = decentralized.LowPrecisionDecentralizedAlgorithm()
         >>> model = model.with_bagua([optimizer], algorithm)  # doctest: +SKIP
     """
+
+    replica_refusal: ClassVar[str] = "its ring exchanges whole weights with neighbour replicas"
 
     hierarchical: bool = True
     communication_interval: int = 1

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, ClassVar, Iterable, Optional, Union
 
 import torch
 
@@ -379,6 +379,9 @@ class QAdamAlgorithm(Algorithm):
         >>> optimizer = QAdamOptimizer(model.parameters(), warmup_steps=100)  # doctest: +SKIP
         >>> model = model.with_bagua([optimizer], QAdamAlgorithm(optimizer))  # doctest: +SKIP
     """
+
+    replica_refusal: ClassVar[str] = ("its compressed stage exchanges the optimizer's momentum, which the sharded "
+                                      "optimizer owns")
 
     q_adam_optimizer: QAdamOptimizer
     hierarchical: bool = True

@@ -49,40 +49,21 @@ SUPPORTED = ("GradientAllReduceAlgorithm", "ByteGradAlgorithm", "DiLoCoAlgorithm
 #: what :func:`replica_hook` may answer: how a replica exchanges
 HOOKS = ("allreduce", "bytegrad", "diloco")
 
-_WHY_NOT = {
-    "DecentralizedAlgorithm": "its peers exchange whole weights every step, with a peer chosen per step; "
-                              "use DiLoCoAlgorithm, which also sends weights, every sync_every steps",
-    "LowPrecisionDecentralizedAlgorithm": "its ring exchanges whole weights with neighbour replicas",
-    "AsyncModelAverageAlgorithm": "its background thread would average weights while FSDP2 all-gathers them",
-    "QAdamAlgorithm": "its compressed stage exchanges the optimizer's momentum, which the sharded optimizer owns",
-}
-
 
 def replica_hook(algorithm: Any) -> Optional[str]:
-    """Ask ``algorithm`` how it runs on sharded replicas: its ``replica_hook`` attribute (one of :data:`HOOKS`;
-    ``DiLoCoAlgorithm`` declares ``"diloco"``), or, for the built-in gradient averagers, what their class is (a
-    user's subclass included); ``None``: it does not run there."""
+    """Ask ``algorithm`` how it runs on sharded replicas: its ``replica_hook`` class attribute (one of :data:`HOOKS`,
+    declared by ``GradientAllReduceAlgorithm``, ``ByteGradAlgorithm`` and ``DiLoCoAlgorithm``, so inherited by a
+    user's subclass); ``None``: it does not run there."""
     hook = getattr(algorithm, "replica_hook", None)
-    if hook is not None:
-        if hook not in HOOKS:
-            raise ValueError(f"{type(algorithm).__name__}.replica_hook={hook!r} names no sharded-replica exchange; "
-                             f"choose one of {HOOKS}")
-        return hook
-    from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
-    from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
-
-    if isinstance(algorithm, ByteGradAlgorithm):
-        return "bytegrad"
-    if isinstance(algorithm, GradientAllReduceAlgorithm):
-        return "allreduce"
-    return None
+    if hook is not None and hook not in HOOKS:
+        raise ValueError(f"{type(algorithm).__name__}.replica_hook={hook!r} names no sharded-replica exchange; "
+                         f"choose one of {HOOKS}")
+    return hook
 
 
 def _why_not(algorithm: Any) -> str:
-    for cls in type(algorithm).__mro__:  # a subclass of a refused algorithm: the same reason
-        if cls.__name__ in _WHY_NOT:
-            return _WHY_NOT[cls.__name__]
-    return "it is not written for sharded replicas"
+    """Why ``algorithm`` does not run on sharded replicas: its ``replica_refusal`` class attribute, if it says."""
+    return getattr(algorithm, "replica_refusal", "it is not written for sharded replicas")
 
 
 class ShardedReplicas:
