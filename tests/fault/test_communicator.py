@@ -10,21 +10,9 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
 import torch
 
-from bagua.torch_api.fault.coordinator import start_coordinator
 from bagua.torch_api.fault.replica import FaultTolerance
-from tests.fault.test_quorum import _free_port
-
-
-@pytest.fixture()
-def coordinator():
-    port = _free_port()
-    proc = start_coordinator("127.0.0.1", port)
-    yield f"127.0.0.1:{port}"
-    proc.kill()
-    proc.wait()
 
 
 class _Algorithm:

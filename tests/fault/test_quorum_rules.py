@@ -14,22 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bagua.torch_api.fault.coordinator import start_coordinator
 from bagua.torch_api.fault.quorum import Excluded, Quorums
 from bagua.torch_api.fault.records import Member
 from bagua.torch_api.fault.replica import FaultTolerance
-from tests.fault.test_quorum import _free_port
 
 ME = Member(round=0, joining=False, samples=1, part=0)
-
-
-@pytest.fixture()
-def coordinator():
-    port = _free_port()
-    proc = start_coordinator("127.0.0.1", port)
-    yield f"127.0.0.1:{port}"
-    proc.kill()
-    proc.wait()
 
 
 def _workers(address, n, workers=3, **kw):

@@ -140,6 +140,15 @@ def test_the_bucket_api_runs_every_gradient_codec_and_its_aliases():
 # -- ByteGrad and QAdam: an alias trains bit for bit like its name ------------------------------------------------
 
 
+def _train(model, opt, rank, steps):
+    for step in range(steps):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    return params_of(model)
+
+
 def _worker_alias_training(rank, world_size, algorithm_name, codec):
     from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
     from bagua.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
@@ -152,13 +161,7 @@ def _worker_alias_training(rank, world_size, algorithm_name, codec):
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         algorithm = ByteGradAlgorithm(hierarchical=False, error_feedback=True, codec=codec)
-    model = model.with_bagua([opt], algorithm)
-    for step in range(5):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return params_of(model)
+    return _train(model.with_bagua([opt], algorithm), opt, rank, 5)
 
 
 @pytest.mark.parametrize("algorithm_name", ["bytegrad", "qadam"])
@@ -274,13 +277,8 @@ def _worker_diloco_codec(rank, world_size, keywords):
     torch.manual_seed(0)
     model = Net()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model = model.with_bagua([opt], DiLoCoAlgorithm(sync_every=2, hierarchical=False, block_size=8, **keywords))
-    for step in range(6):
-        x, y = batch(rank, step)
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-    return params_of(model)
+    algorithm = DiLoCoAlgorithm(sync_every=2, hierarchical=False, block_size=8, **keywords)
+    return _train(model.with_bagua([opt], algorithm), opt, rank, 6)
 
 
 def test_diloco_trains_with_codec_bit_for_bit_like_compression():
