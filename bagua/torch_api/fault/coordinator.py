@@ -38,18 +38,28 @@ def serve(host: str, port: int) -> None:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=sock.fileno(),
-                          timeout=datetime.timedelta(seconds=60))
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    # the store owns the listening socket from here on and closes it when it goes: detach it from Python's object,
+    # which would close the same descriptor a second time (EBADF at a clean stop)
+    fd = sock.detach()
+    try:
+        store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd,
+                              timeout=datetime.timedelta(seconds=60))
+    except BaseException:
+        socket.close(fd)
+        raise
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     print(f"bagua fault-tolerance coordinator listening on {host}:{port}", flush=True)
     while not stop.wait(0.5):
         pass
-    del store
-    sock.close()
+    del store  # closes the listening socket
 
 
 def start_coordinator(host: str, port: int, timeout_s: float = 30.0) -> subprocess.Popen:
