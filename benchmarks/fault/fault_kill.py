@@ -120,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
                           fault_tolerance=ft)  # FT: joins the job; a restarted worker heals from a peer here
     if args.worker == "ckpt":
         _resume(ckpt, rank, model, opt)
-    heal = ft is not None and ft.heals > 0  # in the job's first round, every worker but w0 "heals" from w0
+    heal = ft is not None and ft.heals > 0  # a restarted worker healed from a live peer (the start is no heal)
     heal_bytes = sum(t.numel() * t.element_size() for t in driver_heal_state(opt.driver).values()) if heal else 0
     say("joined", rank=rank, pid=os.getpid(), attempt=attempt, step=opt.steps,
          heal_s=f"{ft.heal_seconds[-1]:.4f}" if heal else 0, heal_bytes=heal_bytes)

@@ -151,8 +151,10 @@ def test_killed_worker_rejoins_and_all_agree(tmp_path, die, api="optimizer"):
     extra = {i: PACED + (["--die", die] if i == victim else []) for i in range(WORKERS)}
     results, _ = _job(tmp_path, extra, restart=True, api=api)
     _same_global(results)
-    healed = [1, 2] if die == "serve" else [victim]  # the healed ones: the restarted worker, or w0's pupils
-    assert all(results[i]["stats"]["heals"] >= 1 for i in healed), results[victim]["log"]
+    if die != "serve":  # the restarted worker healed from a live peer; "serve" dies at the start, whose copies of
+        # w0's first weights are no heals, and w0 restarts in time for the retried start or after it (either way
+        # _same_global holds)
+        assert results[victim]["stats"]["heals"] >= 1, results[victim]["log"]
     if die != "inner:7":  # a peer died mid-round: the survivors ran it again
         assert any(r["stats"]["retries"] >= 1 for i, r in enumerate(results) if i != victim)
 

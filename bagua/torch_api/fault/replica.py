@@ -105,9 +105,10 @@ class FaultTolerance:
             the coordinator).
         prefix: the job's keys in the coordinator's store (several jobs may share one).
 
-    Attributes: ``members`` (the last round's), ``rounds``, ``retries``, ``heals`` (times this worker healed),
-    ``served`` (times it healed another), ``left_out`` (times it found a round closed without it),
-    ``exchange_seconds``, ``heal_seconds``.
+    Attributes: ``members`` (the last round's), ``rounds``, ``retries``, ``heals`` (times this worker healed from
+    a live peer; the job's first round, where every worker takes the first one's state, is the start, not a heal),
+    ``served`` (times it sent its state to another, that first round included), ``left_out`` (times it found a
+    round closed without it), ``exchange_seconds``, ``heal_seconds`` (the time of each state it took).
     """
 
     def __init__(self, coordinator: str, worker: str, workers: int, min_quorum: int = 1,
@@ -335,7 +336,7 @@ class FaultTolerance:
         self.members = r.quorum.ids
         self._joining = False
         if r.healed:
-            self.heals += 1
+            self.heals += 0 if r.quorum.first else 1  # the job's start copies the first worker: not a heal
             self._samples = {}
         elif r.part >= 0:
             self._samples[r.part] = 0
