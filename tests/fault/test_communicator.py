@@ -8,8 +8,10 @@ commit.
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from bagua.torch_api.fault.replica import FaultTolerance
@@ -63,3 +65,58 @@ def test_heal_through_callbacks_and_weighted_average(coordinator):
         torch.testing.assert_close(r["y"], expected, rtol=0, atol=1e-6)
     # the start-up copy is no heal (it was counted as one on every worker but the first)
     assert a["stats"] == (2, 0, 1, ["w0", "w1"]) and b["stats"] == (2, 0, 0, ["w0", "w1"])
+
+
+# -- how a job ends: a worker that joins after every other one finished is told so at once -----------------------
+
+
+def _finished_job(address: str) -> None:
+    """Two workers take the job's start and one round, then both close: the job is over."""
+    def run(i: int) -> None:
+        ft = _ft(address, i)
+        algo = _Algorithm(seed=10 + i)
+        ft.register(algo.state_dict, algo.load_state_dict, settings="toy", needs="the same toy")
+        ft.start_round(algo.rounds, -1)
+        ft.should_commit()
+        ft.count_step(1)
+        ft.start_round(algo.rounds, 0)
+        ft.allreduce(torch.ones(3))
+        assert ft.should_commit()
+        ft.close()
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(run, [0, 1]))
+
+
+def _ft(address: str, i: int, timeout_s: float = 30.0) -> FaultTolerance:
+    return FaultTolerance(address, f"w{i}", workers=2, heartbeat_s=0.1, stale_s=1.0, timeout_s=timeout_s,
+                          exchange_timeout_s=10.0, prefix="ending")
+
+
+def test_a_worker_restarted_after_the_job_ended_is_told_at_once(coordinator):
+    from bagua.torch_api.fault import JobEnded
+
+    _finished_job(coordinator)
+    late = _ft(coordinator, 1)  # w1 restarted after the last round
+    algo = _Algorithm(seed=0)
+    late.register(algo.state_dict, algo.load_state_dict, settings="toy", needs="the same toy")
+    start = time.monotonic()
+    with pytest.raises(JobEnded, match=r"the job has ended: every other worker \(w0\) finished .* nothing to join"):
+        late.start_round(0, 0)
+    assert time.monotonic() - start < 10.0  # told within a few polls, not after timeout_s (30 s)
+    late.close()
+
+
+def test_a_joiner_waits_while_another_worker_has_not_finished(coordinator):
+    from bagua.torch_api.fault import JobEnded
+
+    _finished_job(coordinator)
+    alive = _ft(coordinator, 0)  # w0 restarted too and has not finished: the joiner keeps waiting for a round
+    late = _ft(coordinator, 1, timeout_s=4.0)
+    algo = _Algorithm(seed=0)
+    late.register(algo.state_dict, algo.load_state_dict, settings="toy", needs="the same toy")
+    with pytest.raises(TimeoutError) as error:
+        late.start_round(0, 0)
+    assert not isinstance(error.value, JobEnded)
+    late.close()
+    alive.close()

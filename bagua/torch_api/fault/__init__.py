@@ -24,13 +24,13 @@ from bagua.torch_api.fault.heal import (
     TAKE_INNER_STATE, driver_heal_state, flatten_optimizer_state, heal_driver, heal_state, load_inner_state,
     serve_driver, serve_state, unflatten_optimizer_state,
 )
-from bagua.torch_api.fault.quorum import CoordinatorLost
+from bagua.torch_api.fault.quorum import CoordinatorLost, JobEnded
 from bagua.torch_api.fault.records import Member, Quorum, Round
 from bagua.torch_api.fault.replica import FaultTolerance, SettingsDiffer
 from bagua.torch_api.fault.transfer import DEFAULT_BUCKET_BYTES, heal_group, receive_state, send_state
 
 __all__ = [
-    "FaultTolerance", "SettingsDiffer", "CoordinatorLost", "Member", "Quorum", "Round", "DEFAULT_BUCKET_BYTES",
+    "FaultTolerance", "SettingsDiffer", "CoordinatorLost", "JobEnded", "Member", "Quorum", "Round", "DEFAULT_BUCKET_BYTES",
     "TAKE_INNER_STATE", "heal_group", "send_state", "receive_state", "serve_state", "heal_state",
     "load_inner_state", "serve_driver", "heal_driver", "driver_heal_state", "flatten_optimizer_state",
     "unflatten_optimizer_state",

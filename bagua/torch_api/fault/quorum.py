@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from bagua.torch_api.fault.records import Member, Quorum
 
-__all__ = ["Quorums", "Excluded", "CoordinatorLost", "connect_store"]
+__all__ = ["Quorums", "Excluded", "CoordinatorLost", "JobEnded", "connect_store"]
 
 _POLL_S = 0.02  # the store is polled every 2 ms for the first 0.2 s of a wait (a round's usual case), then 20 ms
 
@@ -54,6 +54,11 @@ class Excluded(Exception):
 
 class CoordinatorLost(RuntimeError):
     """The coordinator's store stopped answering (it died, or the network to it is down)."""
+
+
+class JobEnded(RuntimeError):
+    """A joining worker found every other worker of the job finished (each closed its ``FaultTolerance``): a joiner
+    alone never closes a round, so there is nothing to join."""
 
 
 def connect_store(address: str, timeout_s: float, what: str) -> dist.TCPStore:
@@ -121,6 +126,7 @@ class Quorums:
         # the store, this worker's registration and heartbeat
         self.incarnation = uuid.uuid4().hex[:16]  # this process: a restarted worker keeps its id, not this
         self.store = connect_store(coordinator, timeout_s, f"worker {worker!r}")
+        self.store.delete_key(self._k(f"finished/{worker}"))  # a restarted worker takes part again
         self.store.set(self._k(f"workers/{self.store.add(self._k('workers/n'), 1)}"), worker)
         self.heartbeat = _Heartbeat(coordinator, self._k(f"hb/{worker}"), heartbeat_s, timeout_s)
         self.heartbeat.start()
@@ -209,6 +215,7 @@ class Quorums:
         if not me.joining:
             self._arrivals = (self._arrivals + [start])[-8:]
         first = self._get("started") is None  # no round succeeded yet: the job's start waits for every worker
+        checked = start
         while True:
             closed = self._get(f"q/{key}/closed")
             if closed is not None:
@@ -218,6 +225,9 @@ class Quorums:
                 return quorum
             if not me.joining or first:
                 self._maybe_close(key, start, first)
+            elif time.monotonic() - checked > 1.0:  # a joiner alone: has the job ended? (once a second)
+                checked = time.monotonic()
+                self._raise_if_ended(key)
             if time.monotonic() - start > self.timeout_s:
                 arrived = [m.id for m in self._arrived(key)]
                 need = self.workers if first else self.min_quorum
@@ -226,6 +236,17 @@ class Quorums:
                     f"arrived, {need} needed ({'the first quorum waits for every worker' if first else 'min_quorum'}); "
                     "start the missing workers, or lower min_quorum")
             _pause(start)
+
+    def _raise_if_ended(self, key: int) -> None:
+        """Raise :class:`JobEnded` when every other worker that registered has finished (see :meth:`close`)."""
+        others = [w for w in self.registered() if w != self.worker]
+        ends = self._read([self._k(f"finished/{w}") for w in others])
+        if others and all(end is not None for end in ends):
+            raise JobEnded(
+                f"worker {self.worker!r}: the job has ended: every other worker ({', '.join(others)}) finished its "
+                f"training and closed after quorum {max(int(e) for e in ends)} (this worker waited to join quorum "
+                f"{key}). A joining worker alone never closes a round, so there is nothing to join: to train "
+                "further, start a new job (another coordinator or prefix=) from a checkpoint")
 
     def _arrived(self, key: int) -> list[Member]:
         n = int(self.store.add(self._k(f"q/{key}/n"), 0))
@@ -287,8 +308,14 @@ class Quorums:
                 raise TimeoutError(f"worker {self.worker!r}: no verdict on quorum {key} within {self.timeout_s:g} s")
             _pause(start)
 
-    def close(self) -> None:
-        """Stop the heartbeat (the others then stop waiting for this worker after ``stale_s``)."""
+    def close(self, finished: bool = False) -> None:
+        """Stop the heartbeat (the others then stop waiting for this worker after ``stale_s``); ``finished``: this
+        worker's training is over (a joiner that then finds every other worker finished is told the job ended)."""
+        if finished and not self.heartbeat.stopped.is_set():
+            try:
+                self.store.set(self._k(f"finished/{self.worker}"), str(self.next_key - 1))
+            except dist.DistError:
+                pass  # the coordinator is gone: there is no job to tell
         self.heartbeat.stopped.set()
         if self.heartbeat.is_alive() and self.heartbeat is not threading.current_thread():
             self.heartbeat.join(timeout=2 * self.stale_s)

@@ -200,9 +200,11 @@ class FaultTolerance:
         return math.ceil(base * self.quorums.workers / len(self.members))
 
     def close(self) -> None:
-        """Stop the heartbeat and drop the group (the others stop waiting for this worker after ``stale_s``)."""
+        """End this worker's part in the job: its training is over. Stop the heartbeat and drop the group (the
+        others stop waiting for this worker after ``stale_s``); a worker that joins after every other one closed
+        is told at once that the job has ended (:class:`~bagua.torch_api.fault.quorum.JobEnded`)."""
         self._groups.drop()
-        self.quorums.close()
+        self.quorums.close(finished=True)
 
     # -- what the algorithm calls ----------------------------------------------------------------------------------
 
