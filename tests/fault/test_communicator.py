@@ -32,9 +32,14 @@ class _Algorithm:
         self.rounds = int(state["rounds"])
 
 
+def _ft(address: str, i: int, timeout_s: float = 30.0, prefix: str = "ending") -> FaultTolerance:
+    """Worker ``w<i>`` of a job of two, with quick heartbeats."""
+    return FaultTolerance(address, f"w{i}", workers=2, heartbeat_s=0.1, stale_s=1.0, timeout_s=timeout_s,
+                          exchange_timeout_s=10.0, prefix=prefix)
+
+
 def _worker(address: str, i: int, samples: int) -> dict:
-    ft = FaultTolerance(address, f"w{i}", workers=2, heartbeat_s=0.1, stale_s=1.0, timeout_s=30.0,
-                        exchange_timeout_s=10.0, prefix="communicator")
+    ft = _ft(address, i, prefix="communicator")
     algo = _Algorithm(seed=10 + i)
     ft.register(algo.state_dict, algo.load_state_dict, settings="toy", needs="the same toy")
     join = ft.start_round(algo.rounds, -1)  # every worker joins first: the job's first round
@@ -86,11 +91,6 @@ def _finished_job(address: str) -> None:
 
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(run, [0, 1]))
-
-
-def _ft(address: str, i: int, timeout_s: float = 30.0) -> FaultTolerance:
-    return FaultTolerance(address, f"w{i}", workers=2, heartbeat_s=0.1, stale_s=1.0, timeout_s=timeout_s,
-                          exchange_timeout_s=10.0, prefix="ending")
 
 
 def test_a_worker_restarted_after_the_job_ended_is_told_at_once(coordinator):
