@@ -25,6 +25,10 @@ def _dq(x: torch.Tensor, codec: str, block: int) -> torch.Tensor:
         return x.clone()
     if codec == "bf16":
         return x.to(torch.bfloat16).float()
+    if codec == "topk":
+        from tests.torch_api.test_sparse_codec import _reference as topk_reference
+
+        return topk_reference(x, block)
     return _reference(x, codec, block)[1]
 
 

@@ -23,11 +23,12 @@ GRADIENT_CODECS = ["chunk", "uint8", "uint4"]
 
 
 def test_the_registry_names_every_codec_once():
-    assert GlobalCodecRegistry.available() == ["chunk", "bf16", "uint8", "uint4", "nf2"]
+    assert GlobalCodecRegistry.available() == ["chunk", "bf16", "uint8", "uint4", "nf2", "topk"]
     assert GlobalCodecRegistry.available(for_gradients=True) == GRADIENT_CODECS
     for alias, name in ALIASES.items():
         assert resolve_codec(alias) is resolve_codec(name)
-    assert [resolve_codec(n).block_codec for n in GlobalCodecRegistry] == [None, "bf16", "uint8", "uint4", "nf2"]
+    block_codecs = [resolve_codec(n).block_codec for n in GlobalCodecRegistry]
+    assert block_codecs == [None, "bf16", "uint8", "uint4", "nf2", "topk"]
 
 
 def test_register_works_as_a_decorator_and_refuses_duplicates():
@@ -175,7 +176,7 @@ def test_an_alias_trains_bit_for_bit_like_its_name(algorithm_name):
 # -- the all-gather pattern, against the plain maths (single process: the all-gather is a list) -------------------
 
 
-@pytest.mark.parametrize("codec", ["bf16", "uint8", "uint4", "nf2"])
+@pytest.mark.parametrize("codec", ["bf16", "uint8", "uint4", "nf2", "topk"])
 def test_the_allgather_pattern_averages_the_decoded_wires_in_member_order(codec):
     from bagua.torch_api.codecs.workspace import allgather_average
     from tests.torch_api.test_block_allreduce import _dq

@@ -62,12 +62,14 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from bagua.torch_api.codecs import normal2, triton_kernels
+from bagua.torch_api.codecs import normal2, sparse, triton_kernels
 from bagua.torch_api.codecs._constants import constant
 
 __all__ = ["CODECS", "DEFAULT_BLOCK", "PIECE", "wire_numel", "encode", "decode", "error_bound"]
 
 CODECS = ("bf16", "uint8", "uint4", "nf2")
+#: codecs that keep some values only (:mod:`~bagua.torch_api.codecs.sparse`), exchanged by all-gather
+SPARSE = ("topk",)
 #: Elements per block. The uint4 headers cost 8 bytes per block, 0.39 % of the codes at 4096 (2048: 0.78 %; 1024
 #: is above the 1 % goal). Speed is flat from 1024 to 65536 (within a few %, ``benchmarks/codec.py --block-sizes``),
 #: and larger blocks have wider ranges, so coarser steps: 4096 is the smallest block with headers well under 1 %.
@@ -83,8 +85,8 @@ _BF16_OVERFLOW = (2 - 2**-8) * 2.0**127  # the float32 values from here round to
 
 
 def _check(codec: str, block_size: int) -> None:
-    if codec not in CODECS:
-        raise ValueError(f"unknown codec {codec!r}; available: {', '.join(CODECS)}")
+    if codec not in CODECS and codec not in SPARSE:
+        raise ValueError(f"unknown codec {codec!r}; available: {', '.join(CODECS + SPARSE)}")
     if block_size < 2 or block_size % 2:
         raise ValueError(f"block_size must be a positive even number (e.g. {DEFAULT_BLOCK}), got {block_size}")
 
@@ -111,6 +113,8 @@ def wire_numel(numel: int, codec: str, block_size: int = DEFAULT_BLOCK) -> int:
     _check(codec, block_size)
     if codec == "bf16":
         return 2 * numel
+    if codec == "topk":
+        return sparse.wire_numel(numel, block_size)
     full, tail = divmod(numel, block_size)
     blocks = full + (tail > 0)
     return HEADER_BYTES * blocks + full * _code_bytes(block_size, codec) + _code_bytes(tail, codec)
@@ -254,6 +258,8 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
     _check_wire(out, nbytes, "out")
+    if codec == "topk":  # the sparse codec: positions and 4-bit values of each block's largest (codecs.sparse)
+        return sparse.encode(x, block_size, out)
     if codec == "bf16":
         if out.storage_offset() % 2 == 0:
             out.view(torch.bfloat16).copy_(x)
@@ -342,6 +348,8 @@ def decode(wire: torch.Tensor, numel: int, codec: str, block_size: int = DEFAULT
     elif out.dtype != torch.float32 or out.dim() != 1 or out.numel() != numel or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous 1-D float32 tensor of {numel} elements, "
                          f"got {out.dtype} {tuple(out.shape)}")
+    if codec == "topk":
+        return sparse.decode(wire, numel, block_size, out, accumulate)
     if codec == "bf16":
         values = (wire if wire.storage_offset() % 2 == 0 else wire.clone()).view(torch.bfloat16)
         if not accumulate:
@@ -413,6 +421,8 @@ def error_bound(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK) ->
     """
     x = _check_x(x)
     _check(codec, block_size)
+    if codec == "topk":  # a dropped value is off by itself, a kept one by half a step of its block's scale
+        return sparse.error_bound(x, block_size)
     if codec == "bf16":
         bound = x.abs() * 2.0**-8 + 2.0**-134
         return bound.masked_fill_(~(x.abs() < _BF16_OVERFLOW), float("inf"))

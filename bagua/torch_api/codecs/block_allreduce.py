@@ -38,7 +38,8 @@ from typing import Optional
 
 import torch
 
-from bagua.torch_api.codecs.block import DEFAULT_BLOCK, decode, encode, wire_numel
+from bagua.torch_api.codecs.block import DEFAULT_BLOCK, SPARSE, decode, encode, wire_numel
+from bagua.torch_api.comm.collectives import allgather
 from bagua.torch_api.comm.process_group import BaguaCommunicator
 from bagua.torch_api.codecs.residuals import ErrorFeedbackResiduals
 from bagua.torch_api.codecs.scatter_reduce_gather import SegmentCodec, Wait, scatter_reduce_gather
@@ -131,6 +132,8 @@ class BlockWorkspace(ErrorFeedbackResiduals):
             >>> BlockWorkspace(10_000, 2, "uint8").bytes_sent()  # 2 * (8192 + 2 * 8)
             16416
         """
+        if self.codec in SPARSE:  # its whole wire to each peer (the all-gather)
+            return (self.nranks - 1) * wire_numel(self.numel, self.codec, self.block_size)
         return 2 * (self.nranks - 1) * wire_numel(self.chunk, self.codec, self.block_size)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -298,6 +301,9 @@ def block_allreduce_inplace(
     ws.check(flat.numel(), n, codec, block_size)
     if c.group is None or n == 1 or flat.numel() == 0:
         return ws
+    if codec in SPARSE:
+        _allgather_inplace(flat, c, ws, average, error_feedback)
+        return ws
     c.check_point_to_point(flat, f"the block-wise {codec} scatter-reduce (ByteGrad, QAdam, DiLoCo)")
     ws._prepare(flat.device, error_feedback)
     if error_feedback:
@@ -306,3 +312,30 @@ def block_allreduce_inplace(
     scatter_reduce_gather(_BlockCodec(ws, flat, c.rank(), average, error_feedback), c, tag,
                           _post_receives_first(c.group))
     return ws
+
+
+@torch.no_grad()
+def _allgather_inplace(flat: torch.Tensor, c: BaguaCommunicator, ws: BlockWorkspace, average: bool,
+                       error_feedback: bool) -> None:
+    """A sparse codec's exchange: encode ``flat`` (plus the residual) once, all-gather the wires, and decode-sum
+    them in rank order into ``flat`` (a sparse sum cannot be re-sparsified without loss; every rank decodes the
+    same bytes in the same order, so all end bit-identical). The residual becomes ``x - D(Q(x))``."""
+    n, codec, block_size = c.nranks(), ws.codec, ws.block_size
+    if error_feedback:
+        if ws.residual is None or ws.residual.device != flat.device:
+            ws.residual = torch.zeros(ws.numel, dtype=torch.float32, device=flat.device) if ws.residual is None \
+                else ws.residual.to(flat.device)
+            ws.server_residual = torch.zeros(ws.chunk, dtype=torch.float32, device=flat.device)
+        if ws.keep_previous:
+            ws.previous = (ws.residual.clone(), ws.server_residual.clone())
+        flat.add_(ws.residual)
+    wire = encode(flat, codec, block_size)
+    wires = torch.empty(n * wire.numel(), dtype=torch.uint8, device=flat.device)
+    allgather(wire, wires, c)
+    if error_feedback:
+        ws.residual.copy_(flat).sub_(decode(wire, flat.numel(), codec, block_size))
+    flat.zero_()
+    for w in wires.view(n, -1):
+        decode(w, flat.numel(), codec, block_size, out=flat, accumulate=True)
+    if average:
+        flat.div_(n)

@@ -11,6 +11,8 @@ name       code
 ``uint4``  4 bits per value, one min/max per block.
 ``nf2``    2 bits per value at a normal distribution's levels about each block's mean and RMS
            (:mod:`~bagua.torch_api.codecs.normal2`).
+``topk``   sparse: each block's 1/32 largest values by magnitude, their positions and 4 bits per value, exchanged
+           by all-gather (:mod:`~bagua.torch_api.codecs.sparse`; 0.5 bits per value at ``block_size=256``).
 =========  =======================================================================================================
 
 The keyword is ``codec=`` (``ByteGradAlgorithm``, ``QAdamAlgorithm``, ``LowPrecisionDecentralizedAlgorithm``,
@@ -175,3 +177,5 @@ GlobalCodecRegistry.register("uint4", _block_workspace("uint4"), block_codec="ui
                 description="4 bits per value, block-wise, for very slow links")
 GlobalCodecRegistry.register("nf2", _block_workspace("nf2"), block_codec="nf2", for_gradients=False,
                 description="2 bits per value at normal levels about each block's mean and RMS")
+GlobalCodecRegistry.register("topk", _block_workspace("topk"), block_codec="topk", for_gradients=False,
+                description="top 1/32 of each block by magnitude, their positions and 4-bit values (all-gather)")

@@ -1,0 +1,109 @@
+"""The sparse ``topk`` codec against its formulas written plainly here, and its all-gather exchange over 2 ranks.
+
+The reference keeps, per block of ``m`` values, the ``ceil(m / 32)`` largest in magnitude, scales them by the
+largest kept magnitude ``s`` and rounds ``v / s * 7`` half to even; decoding is ``q * (s / 7)`` at the kept places
+and 0 elsewhere. The exchange is checked against the plain sum of the ranks' decoded encodings in rank order,
+with the error-feedback residual ``x - D(Q(x))`` carried over three calls.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.harness import run_workers
+
+
+def _reference(x: torch.Tensor, block: int) -> torch.Tensor:
+    """D(Q(x)) by the plain formula, block by block (no code shared with bagua.torch_api.codecs.sparse)."""
+    out = torch.zeros_like(x)
+    for a in range(0, x.numel(), block):
+        part = x[a : a + block]
+        k = max(1, math.ceil(part.numel() / 32))
+        order = sorted(range(part.numel()), key=lambda i: -abs(float(part[i])))[:k]
+        s = max(abs(float(part[i])) for i in order)
+        for i in order:
+            q = round(float(part[i]) / s * 7) if s > 0 else 0  # Python's round: half to even, like torch.round
+            out[a + i] = torch.tensor(q, dtype=torch.float32) * (torch.tensor(s, dtype=torch.float32) / 7)
+    return out
+
+
+@pytest.mark.parametrize("numel,block", [(1000, 256), (4096 * 2 + 7, 4096), (5, 256), (257, 256), (64, 64)])
+def test_topk_matches_the_plain_formula(numel: int, block: int) -> None:
+    from bagua.torch_api.codecs import block as bc
+
+    # distinct magnitudes, so the top-k set is the same whatever order ties would take
+    x = torch.randperm(numel).float().add_(1.0).mul_(torch.randn(numel).sign()) / numel
+    wire = bc.encode(x, "topk", block)
+    assert wire.numel() == bc.wire_numel(numel, "topk", block)
+    y = bc.decode(wire, numel, "topk", block)
+    assert torch.equal(y, _reference(x, block))
+    assert bool(((x - y).abs() <= bc.error_bound(x, "topk", block)).all())
+    acc = torch.full((numel,), 0.25)
+    bc.decode(wire, numel, "topk", block, out=acc, accumulate=True)
+    assert torch.equal(acc, torch.full((numel,), 0.25) + y)
+
+
+def test_topk_wire_size_and_non_finite_blocks() -> None:
+    from bagua.torch_api.codecs import block as bc
+
+    # per block of 256: a 4-byte scale, 8 one-byte positions, 8 codes of 4 bits; of 4096: 128 two-byte positions
+    assert bc.wire_numel(256 * 10, "topk", 256) == 10 * (4 + 8 + 4)
+    assert bc.wire_numel(4096, "topk", 4096) == 4 + 128 * 2 + 64
+    x = torch.randn(512)
+    x[300] = float("nan")
+    y = bc.decode(bc.encode(x, "topk", 256), 512, "topk", 256)
+    assert torch.isnan(y[256:]).all() and torch.isfinite(y[:256]).all()
+    zero = bc.decode(bc.encode(torch.zeros(300), "topk", 256), 300, "topk", 256)
+    assert torch.equal(zero, torch.zeros(300))
+    with pytest.raises(ValueError, match="65536"):
+        bc.wire_numel(10, "topk", 1 << 17)
+
+
+def test_topk_is_a_registered_pseudo_gradient_codec() -> None:
+    from bagua.torch_api.codecs.registry import GlobalCodecRegistry
+    from bagua.torch_api.codecs.workspace import allgather_average
+
+    assert GlobalCodecRegistry.get("topk").block_codec == "topk"
+    assert "topk" not in GlobalCodecRegistry.available(for_gradients=True)
+    x = torch.randn(600)
+    other = torch.randn(600)
+    from bagua.torch_api.codecs import block as bc
+
+    wires = [bc.encode(x, "topk", 256), bc.encode(other, "topk", 256)]
+    avg, mine = allgather_average(x, "topk", lambda w: wires, 256)
+    assert torch.equal(mine, wires[0])
+    assert torch.equal(avg, (_reference(x, 256) + _reference(other, 256)) / 2)
+
+
+def _worker(rank: int, world_size: int):
+    from bagua.torch_api import communication
+    from bagua.torch_api.codecs.block_allreduce import block_allreduce_inplace
+
+    c = communication._get_default_group().get_global_communicator()
+    gen = torch.Generator().manual_seed(7 + rank)
+    xs = [torch.randn(1000, generator=gen) * (1 + rank) for _ in range(3)]
+    ws, outs = None, []
+    for x in xs:
+        flat = x.clone()
+        ws = block_allreduce_inplace(flat, c, "topk", 256, average=True, workspace=ws, error_feedback=True)
+        outs.append(flat)
+    return xs, outs, ws.residual.clone(), ws.bytes_sent()
+
+
+def test_topk_allreduce_is_the_plain_average_with_error_feedback() -> None:
+    results = run_workers(_worker, 2)
+    inputs = [r[0] for r in results]
+    e = [torch.zeros(1000) for _ in range(2)]
+    for call in range(3):
+        x = [inputs[i][call] + e[i] for i in range(2)]
+        dq = [_reference(x[i], 256) for i in range(2)]
+        e = [x[i] - dq[i] for i in range(2)]
+        expected = (torch.zeros(1000) + dq[0] + dq[1]) / 2
+        for rank in range(2):
+            assert torch.equal(results[rank][1][call], expected), (call, rank)
+    for rank in range(2):
+        assert torch.equal(results[rank][2], e[rank])
+        assert results[rank][3] == 4 * (4 + 8 + 4)  # 1000 = 3 blocks of 256 + 232 (k = 8 too): one wire, one peer
