@@ -5,8 +5,8 @@ times ``bagua.torch_api.codecs.minmax_uint8`` (MinMaxUInt8) against the same for
 (what a plain port does: one full-size temporary per step), on CPU with ``--threads`` intra-op threads and, when
 CUDA is available, on the GPU. GB/s = 4 bytes x elements / median time.
 
-A second table times the block-wise codecs of ``bagua.torch_api.codecs.block`` (bf16, uint8, uint4) on the same
-sizes, for every ``--block-sizes``, round-robin with MinMaxUInt8 on the same tensor so that both see the same
+A second table times the block-wise codecs of ``bagua.torch_api.codecs.block`` (bf16, uint8, uint4, nf2, and the
+sparse topk) on the same sizes, for every ``--block-sizes``, round-robin with MinMaxUInt8 on the same tensor so that both see the same
 load: ``vs mm`` is MinMaxUInt8's time over the codec's (encode against encode, decode against decode,
 decode-and-add against decode-sum; above 1 is faster), then the wire bytes per element. Run:
 
@@ -149,7 +149,7 @@ def bench_blocks(numel: int, block: int, chunks: int, device: torch.device, repe
         ("mm", "decode"): lambda: codec.decode_chunks(mm_wire, mm_out),
         ("mm", "decode_add"): lambda: codec.decode_sum_chunks(mm_wire, mm_own, mm_work),
     }
-    wires = {name: block_codec.encode(x, name, block) for name in block_codec.CODECS}
+    wires = {name: block_codec.encode(x, name, block) for name in block_codec.CODECS + block_codec.SPARSE}
     for name, wire in wires.items():
         cases[(name, "encode")] = lambda name=name, wire=wire: block_codec.encode(x, name, block, out=wire)
         cases[(name, "decode")] = lambda name=name, wire=wire: block_codec.decode(wire, x.numel(), name, block, out=out)
