@@ -6,8 +6,8 @@ times ``bagua.torch_api.codecs.minmax_uint8`` (MinMaxUInt8) against the same for
 CUDA is available, on the GPU. GB/s = 4 bytes x elements / median time.
 
 A second table times the block-wise codecs of ``bagua.torch_api.codecs.block`` (bf16, uint8, uint4, nf2, and the
-sparse topk) on the same sizes, for every ``--block-sizes``, round-robin with MinMaxUInt8 on the same tensor so that both see the same
-load: ``vs mm`` is MinMaxUInt8's time over the codec's (encode against encode, decode against decode,
+sparse topk) on the same sizes, for every ``--block-sizes``, round-robin with MinMaxUInt8 on the same tensor so that
+both see the same load: ``vs mm`` is MinMaxUInt8's time over the codec's (encode against encode, decode against decode,
 decode-and-add against decode-sum; above 1 is faster), then the wire bytes per element. Run:
 
     .venv/bin/python benchmarks/codecs/codec.py --out docs/log/results/codec.json
