@@ -19,11 +19,12 @@ from typing import Optional
 
 __all__ = ["plot", "figure", "plot_to_target", "figure_to_target", "plot_time_vs_bandwidth",
            "figure_time_vs_bandwidth", "caption_for", "runs_of", "system_order", "TITLE", "TITLE_TO_TARGET",
-           "TITLE_VS_BANDWIDTH"]
+           "TITLE_VS_BANDWIDTH", "plot_unequal", "TITLE_UNEQUAL"]
 
 TITLE = "Training step speedup over torch DDP (higher is better)"
 TITLE_TO_TARGET = "Validation metric against training time (time to accuracy)"
 TITLE_VS_BANDWIDTH = "Time to target against link bandwidth (lower is better)"
+TITLE_UNEQUAL = "Time to target per speed profile (lower is better; black line: the ideal)"
 BANDWIDTH_ORDER = ["unshaped", "10gbit", "1gbit", "100mbit", "10mbit"]
 _MARKERS = "os^vD<>pP*hX"
 
@@ -295,3 +296,41 @@ def _rate_label(bits_per_s: float) -> str:
         if bits_per_s >= scale:
             return f"{bits_per_s / scale:g} {unit}"
     return f"{bits_per_s:g} bit/s"
+
+
+def plot_unequal(table: list[dict], path: str, caption: str = "", title: str = TITLE_UNEQUAL) -> str:
+    """Time to target per speed profile, one panel per link: a bar per system (median over seeds), the ideal as a
+    black line over each profile's bars. ``table``: :func:`benchmarks.to_target.unequal_report.summarize`'s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [e for e in table if e.get("time_s")]
+    if not ok:
+        raise ValueError("no (link, profile, system) reached the target; nothing to plot")
+    links = sorted({e["link"] for e in ok})
+    systems = system_order([e["system"] for e in ok])
+    styles = _styles(systems)
+    fig, axes = plt.subplots(1, len(links), figsize=(5.2 * len(links) + 2.4, 4.4), squeeze=False)
+    for ax, link in zip(axes[0], links):
+        sub = [e for e in ok if e["link"] == link]
+        profiles = list(dict.fromkeys(e["profile"] for e in sub))
+        width = 0.8 / len(systems)
+        for j, system in enumerate(systems):
+            xs = [i + (j - (len(systems) - 1) / 2) * width for i, p in enumerate(profiles)
+                  if any(e["profile"] == p and e["system"] == system for e in sub)]
+            ys = [e["time_s"] for p in profiles for e in sub if e["profile"] == p and e["system"] == system]
+            ax.bar(xs, ys, width * 0.95, color=styles[system]["color"], label=system)
+        for i, p in enumerate(profiles):
+            ideal = next((e["ideal_s"] for e in sub if e["profile"] == p and e.get("ideal_s")), None)
+            if ideal:
+                ax.hlines(ideal, i - 0.45, i + 0.45, colors="black", linewidth=2)
+        ax.set_xticks(range(len(profiles)))
+        ax.set_xticklabels(profiles)
+        ax.set_title(link, fontsize=11)
+        ax.set_ylabel("time to target, s")
+    _legend_outside(fig, axes[0], "system")
+    fig.suptitle(title + (f"\n{caption}" if caption else ""), fontsize=12)
+    fig.tight_layout()
+    return _save(fig, path)
