@@ -48,6 +48,7 @@ from bagua.torch_api.codecs.registry import GlobalCodecRegistry
 from bagua.torch_api.ops.diloco import FRAGMENT_LAYOUTS
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver, driver_property
 from bagua.torch_api.ops.diloco_outer import AUTO
+from bagua.torch_api.ops.diloco_pace import ROUNDS
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
@@ -246,6 +247,10 @@ class DiLoCoSettings:
     offload_outer_state: bool = False
     outer_lr_warmup: Union[int, str] = AUTO
     codec: Optional[str] = None
+    rounds: str = "steps"
+    speed_tolerance: float = 0.1
+    sync_every_max: Optional[int] = None
+    max_exchange_share: float = 0.1
 
     def __post_init__(self) -> None:
         owner = self.owner
@@ -282,6 +287,26 @@ class DiLoCoSettings:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"{owner}(block_size=...) must be a power of two, got {self.block_size!r}")
         check_int(owner, "warmup_steps", self.warmup_steps, 0, "gradient-allreduce steps before the inner phases")
+        _check_pace(self)
+
+
+def _check_pace(hyper: "DiLoCoSettings") -> None:
+    """Check the settings of workers of different speeds and links that change."""
+    owner = hyper.owner
+    check_choice(owner, "rounds", hyper.rounds, ROUNDS)
+    check_number(owner, "speed_tolerance", hyper.speed_tolerance, 0.0,
+                 "how much slower than the fastest a worker may be and still take sync_every steps")
+    if hyper.sync_every_max is not None:
+        check_int(owner, "sync_every_max", hyper.sync_every_max, 1, "the most inner steps per round the link "
+                  "rule may set, or None (off)")
+        if hyper.sync_every_max < hyper.sync_every:
+            raise ValueError(f"{owner}(sync_every_max={hyper.sync_every_max}) must be at least sync_every="
+                             f"{hyper.sync_every}: the link rule keeps sync_every within [sync_every, sync_every_max]")
+    check_number(owner, "max_exchange_share", hyper.max_exchange_share, 0.0,
+                 "the largest share of a round's compute its exchange may take before sync_every rises")
+    if not 0 < hyper.max_exchange_share:
+        raise ValueError(f"{owner}(max_exchange_share=...) must be above 0, got {hyper.max_exchange_share!r}")
+
 
 
 @GlobalAlgorithmRegistry.register(
@@ -328,6 +353,18 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
             rule's (10 up to ``H = 20``) when ``outer_lr`` is ``"auto"`` too, else none.
         codec: the same choice as ``compression`` under the keyword every algorithm takes (ByteGrad's, QAdam's);
             pass one of the two. After construction both hold the codec's registered name.
+        rounds: ``"steps"`` (default: every worker takes ``sync_every`` inner steps per round) or ``"time"``
+            (workers of different speeds: each round, the fastest worker takes ``sync_every`` steps and a slower
+            one ``round(sync_every * t_fastest / t_own)``, from the compute seconds per step each measured last
+            round, so all reach the exchange together; the average weighs each pseudo-gradient by its samples, 1
+            per step unless ``driver.add_samples(n)``). Equal speeds give ``"steps"``' weights, bit for bit.
+        speed_tolerance: with ``rounds="time"``, a worker at most this fraction slower than the fastest takes
+            ``sync_every`` steps (default 0.1).
+        sync_every_max: links that change: after each round, when the exchange took more than
+            ``max_exchange_share`` of the round's compute, the fastest worker's steps per round rise (up to this),
+            and fall back towards ``sync_every`` when the link recovers (below half the share). ``None`` (default):
+            off. It changes the number of inner steps per round, hence the weights: opt in.
+        max_exchange_share: see ``sync_every_max`` (default 0.1: an exchange at most a tenth of the compute).
 
     Example:
         >>> algorithm = DiLoCoAlgorithm(sync_every=100, fragments=4, overlap_steps=2, compression="uint4")

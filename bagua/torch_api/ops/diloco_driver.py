@@ -33,6 +33,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -43,8 +44,10 @@ from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGr
 from bagua.torch_api.codecs.workspace import make_workspace
 from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.ops.diloco import Fragment, due_fragments, split_fragments, sync_offsets
-from bagua.torch_api.ops.diloco_exchange import MemberResiduals, OverMembers, OverRanks
+from bagua.torch_api.ops.diloco_exchange import MemberResiduals, OverMembers, OverRanks, scale_by_tokens
 from bagua.torch_api.ops.diloco_outer import resolve_outer
+from bagua.torch_api.ops.diloco_pace import Pace
+from bagua.torch_api.ops.diloco_stats import RoundRecord, Rounds, pace_key
 
 __all__ = ["DiLoCoDriver", "Submit", "driver_property"]
 
@@ -65,7 +68,9 @@ class DiLoCoDriver:
             exchanges (stopped by :meth:`close`); without it they run inline, unless :attr:`submit` is set.
 
     Attributes: ``fragments``, ``steps`` (inner steps counted, warm-up included), ``processed`` (steps whose
-    end-of-step work is done), ``syncs`` (outer steps taken), ``bytes_sent``, ``error_feedback``, ``submit``.
+    end-of-step work is done), ``syncs`` (outer steps taken), ``bytes_sent``, ``error_feedback``, ``submit``,
+    ``pace`` (a :class:`~bagua.torch_api.ops.diloco_pace.Pace`: rounds by time, the link rule), ``records`` (with
+    either, one :class:`~bagua.torch_api.ops.diloco_stats.RoundRecord` per round ended).
     """
 
     def __init__(self, hyper: Any, owner: str, communicator: Optional[BaguaCommunicator] = None,
@@ -93,9 +98,25 @@ class DiLoCoDriver:
         self.processed = 0
         self._offsets = sync_offsets(hyper.sync_every, hyper.fragments)
         self._loaded: Optional[dict[str, torch.Tensor]] = None  # a checkpoint waiting for the fragments
+        #: rounds by time and the link rule (inactive by default: today's schedule)
+        self.pace = Pace(hyper)
         # stats
         self.syncs = 0
         self.bytes_sent = 0
+        self.stats = Rounds(self._publisher())
+
+    @property
+    def records(self) -> list[RoundRecord]:
+        """One record per round ended, with ``rounds="time"`` or ``sync_every_max`` (see
+        :mod:`~bagua.torch_api.ops.diloco_stats`)."""
+        return self.stats.records
+
+    def add_samples(self, n: int) -> None:
+        """Count ``n`` samples in the current inner step (default 1 per step): with ``rounds="time"`` or
+        ``sync_every_max`` (and always under fault tolerance) the average weighs each pseudo-gradient by them."""
+        self.pace.add_samples(n)
+        if self.fault is not None:
+            self.fault.add_samples(n)
 
     # -- the moments of a step ---------------------------------------------------------------------------------
 
@@ -163,24 +184,39 @@ class DiLoCoDriver:
         self.steps += 1
         if warm:
             self.processed = self.steps
-        elif self.fault is not None:
+            return
+        self.pace.count_step()
+        if self.fault is not None:
             self.fault.count_step(len(self.fragments))
 
     def end_steps(self) -> None:
         """Do the end-of-step work of every inner step counted and not yet processed: finish the exchanges due,
         start the ones due (in fragment order, the same on every rank)."""
-        H, tau = self.hyper.sync_every, self.hyper.overlap_steps
+        H, tau, pace = self.hyper.sync_every, self.hyper.overlap_steps, self.pace
+        if not pace.active or self.processed == self.steps:
+            self._end_steps(H, tau)
+            return
+        pace.computed(self.steps - self.processed)  # the steps' compute: since the last end-of-step work
+        try:
+            self._end_steps(H, tau)
+        finally:
+            pace.mark()
+
+    def _end_steps(self, H: int, tau: int) -> None:
+        pace = self.pace
         while self.processed < self.steps:
             self.processed += 1
             step = self.processed - self.hyper.warmup_steps
             for fragment in self.fragments:
                 if fragment.pending is not None and fragment.pending[0] <= step:
                     self._finish(fragment)
-            for p in due_fragments(step, H, self._offsets):
+            for p in pace.due(step) if pace.active else due_fragments(step, H, self._offsets):
                 if not self._start(self.fragments[p], step + tau):
                     return  # left out of the round: healed from a peer, whose counters this rank now holds
                 if tau == 0:
                     self._finish(self.fragments[p])
+            if pace.active and pace.round_over(step):
+                pace.new_round(step)
 
     # -- fragments and their exchanges -------------------------------------------------------------------------
 
@@ -192,11 +228,15 @@ class DiLoCoDriver:
 
     def _start(self, fragment: Fragment, finish_step: int) -> bool:
         delta = fragment.pseudo_gradient()
+        if self.pace.active:
+            self.pace.started_in[fragment.index] = self.pace.round
         if self.fault is not None:  # inline, over the round's live workers
             if not self._fault_round(fragment):
                 return False
             fragment.pending = (finish_step, None)
             return True
+        if self.pace.active:
+            self._report(fragment, delta)
         job = None
         if self.submit is not None:
             job = self.submit(lambda: self._exchange(fragment, delta), f"DiLoCo exchange of fragment {fragment.index}",
@@ -213,10 +253,46 @@ class DiLoCoDriver:
             self.bytes_sent += fragment.exchange(OverRanks(c), self.hyper.compression, self.hyper.block_size,
                                                  self.error_feedback)
 
+        started = time.monotonic()
         if self.group is None:
             exchange(delta, self.communicator)  # type: ignore[arg-type]
         else:
             hierarchy.run_hierarchically(self.group, self.hierarchical, delta, exchange, average=True)
+        self.pace.exchange_s += time.monotonic() - started
+
+    def _report(self, fragment: Fragment, delta: torch.Tensor) -> None:
+        """Gather every rank's report row before ``fragment``'s exchange (on the exchange's thread, waited for: it
+        absorbs the wait for the slowest rank), scale ``delta`` by this rank's tokens, and at the round's last
+        fragment plan the next round."""
+        c = self.communicator if self.group is None else hierarchy.exchange_communicator(self.group, False)
+        row, out = self.pace.row(self.pace.take_samples(fragment.index)), []
+        started = time.monotonic()
+        run = lambda: out.append(OverRanks(c).report(row, delta.device))  # noqa: E731
+        if self.submit is not None:
+            self.submit(run, f"DiLoCo report before fragment {fragment.index}", delta.is_cuda).wait(
+                env.get_comm_timeout_s())
+        else:
+            run()
+        self.pace.wait_s += time.monotonic() - started
+        table, me = out[0], c.rank()
+        scale_by_tokens(delta, table[:, 0].tolist(), me)
+        if fragment.index == len(self.fragments) - 1:
+            self._round_end(table, me, [str(i) for i in range(c.nranks())])
+
+    def _round_end(self, table: torch.Tensor, me: int, workers: list[str]) -> None:
+        """The round's last report: record it, and plan the next round (the link rule, each worker's steps)."""
+        base = self.pace.base
+        self.pace.plan(table, me)
+        self.stats.log = self.fault is not None or me == 0
+        self.stats.report(self.pace.round, base, workers, table, me)
+
+    def _publisher(self) -> Optional[Callable[[str], None]]:
+        """Under fault tolerance, on the worker's first rank: set this worker's row in the coordinator's store."""
+        ft = self.fault
+        if ft is None or (ft.ranks is not None and ft.ranks.rank != 0):
+            return None
+        key = pace_key(ft.quorums.prefix, ft.worker)
+        return lambda text: ft.quorums.store.set(key, text)
 
     def _finish(self, fragment: Fragment) -> None:
         self._warm_outer_lr(fragment)
@@ -233,6 +309,8 @@ class DiLoCoDriver:
         if warmup and self.hyper.outer_optimizer is None:
             started = fragment.pending[0] - self.hyper.overlap_steps
             k = (started - self._offsets[fragment.index]) // self.hyper.sync_every
+            if self.pace.active:  # rounds of changing length: the round the exchange started in
+                k = self.pace.started_in.get(fragment.index, self.pace.round)
             for group in fragment.outer.param_groups:
                 group["lr"] = self.hyper.outer_lr * min(1.0, (k + 1) / warmup)
 
@@ -250,8 +328,10 @@ class DiLoCoDriver:
         h = self.hyper
         outer = ("custom" if h.outer_optimizer is not None else
                  f"lr={h.outer_lr} momentum={h.outer_momentum} nesterov={h.nesterov} lr_warmup={h.outer_lr_warmup}")
+        pace = (f" rounds={h.rounds} speed_tolerance={h.speed_tolerance} sync_every_max={h.sync_every_max} "
+                f"max_exchange_share={h.max_exchange_share}" if self.pace.active else "")
         return (f"sync_every={h.sync_every} fragments={h.fragments} compression={h.compression} "
-                f"block_size={h.block_size} outer: {outer}")
+                f"block_size={h.block_size} outer: {outer}{pace}")
 
     def join(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
         """Register the driver's state with the fault-tolerance communicator and join the job (the first worker's
@@ -270,19 +350,31 @@ class DiLoCoDriver:
         ft = self.fault
         assert ft is not None
         saved = fragment.delta.clone() if fragment is not None else None
+        if fragment is not None and self.pace.active:
+            self.pace.take_samples(fragment.index)  # the round weighs the fault layer's count
         while True:
+            started, table = time.monotonic(), None
             rnd = ft.start_round(self.syncs, fragment.index if fragment is not None else -1)
             if rnd.part >= 0:
                 if not rnd.healed and fragment is not None and fragment.index != rnd.part:
                     ft.fail(ValueError(f"worker {ft.worker!r} synchronizes fragment {fragment.index} while the "
                                        f"others synchronize {rnd.part}: the workers' DiLoCo settings differ"))
                 else:
+                    if self.pace.active:  # every member's report row: the plan, and the wait it absorbed
+                        table = OverMembers(ft, rnd).report(self.pace.row(rnd.weights[rnd.rank]))
+                        self.pace.wait_s += time.monotonic() - started
+                    exchanged = time.monotonic()
                     self.bytes_sent += self.fragments[rnd.part].exchange(
                         OverMembers(ft, rnd), self.hyper.compression, self.hyper.block_size, self.error_feedback)
+                    self.pace.exchange_s += time.monotonic() - exchanged
             if ft.should_commit():
+                if table is not None and rnd.part == len(self.fragments) - 1:
+                    self._round_end(table, rnd.rank, rnd.quorum.ids)
                 if rnd.healed:
                     if rnd.part >= 0:
                         self.finish_now(self.fragments[rnd.part])
+                        if self.pace.active and self.pace.round_over(self.processed):
+                            self.pace.new_round(self.processed)  # the peer's round ended here
                     return False
                 if rnd.part >= 0 and isinstance(self.fragments[rnd.part].workspace, MemberResiduals):
                     self.fragments[rnd.part].workspace.commit()  # the round is ok: its residual is ours now
@@ -334,6 +426,7 @@ class DiLoCoDriver:
         """The ``counters`` named (``"steps"``, ``"processed"``), then each fragment's global weights,
         outer-optimizer tensors, residuals and an exchange in flight (waited for)."""
         state = {name: torch.tensor(getattr(self, name)) for name in counters}
+        state.update(self.pace.state_dict())  # the round's position (rounds by time, the link rule)
         for fragment in self.fragments:
             state.update(fragment.state_dict(env.get_comm_timeout_s()))
         return state
@@ -343,6 +436,7 @@ class DiLoCoDriver:
         self.steps = int(state["steps"])
         # without "processed" (the optimizer's format) every step counted was processed
         self.processed = int(state["processed"]) if "processed" in state else self.steps
+        self.pace.load_state_dict(state)
         if not self.fragments:
             self._loaded = state if any(k.endswith(".global") for k in state) else None
             return

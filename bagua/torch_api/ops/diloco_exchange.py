@@ -17,6 +17,12 @@ fault-tolerant round. One interface, so a fragment has one exchange path and one
   half-reduced. The new residual waits in :class:`MemberResiduals` until the round's verdict is ``ok``
   (:meth:`MemberResiduals.commit`; a retried round starts again from the old one).
 
+With ``rounds="time"`` or the link rule (:mod:`~bagua.torch_api.ops.diloco_pace`), each exchange is preceded by
+a report: every rank's row of :data:`~bagua.torch_api.ops.diloco_pace.ROW` gathered into one small float64 table
+(:meth:`OverRanks.report`: a one-hot SUM allreduce on the exchange's communicator; :meth:`OverMembers.report`: an
+all-gather over the round's members), and over the ranks the pseudo-gradient is scaled by its tokens
+(:func:`scale_by_tokens`) so that the plain average is the token-weighted one.
+
 Example:
     >>> sent = fragment.exchange(OverRanks(c), "uint4", 4096, error_feedback=True)  # doctest: +SKIP
 """
@@ -37,7 +43,8 @@ from bagua.torch_api.communication import ReduceOp
 from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.fault.records import Round
 
-__all__ = ["OverRanks", "OverMembers", "MemberResiduals", "float32_allreduce_bytes", "wire_bytes"]
+__all__ = ["OverRanks", "OverMembers", "MemberResiduals", "float32_allreduce_bytes", "wire_bytes",
+           "scale_by_tokens"]
 
 
 def float32_allreduce_bytes(numel: int, members: int) -> int:
@@ -50,11 +57,34 @@ def wire_bytes(numel: int, codec: str, block_size: int, members: int) -> int:
     return (members - 1) * wire_numel(numel, codec, block_size)
 
 
+def scale_by_tokens(delta: torch.Tensor, tokens: list[float], me: int) -> None:
+    """Scale this rank's (``me``) ``delta`` by ``w_me * N / W`` (``w``: the ranks' ``tokens``, ``N`` of them,
+    ``W`` their sum), so that the plain mean over the ranks is the token-weighted mean; nothing when the tokens are
+    equal (the mean is then exactly today's).
+
+    Example:
+        >>> d = torch.ones(2); scale_by_tokens(d, [3.0, 1.0], 0); d
+        tensor([1.5000, 1.5000])
+    """
+    if all(w == tokens[0] for w in tokens) or sum(tokens) <= 0:
+        return
+    delta.mul_(tokens[me] * len(tokens) / sum(tokens))
+
+
 class OverRanks:
     """Average over every rank of the communicator ``c`` (each calls it)."""
 
     def __init__(self, c: BaguaCommunicator) -> None:
         self.c = c
+
+    def report(self, row: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Every rank's ``row`` in rank order (a one-hot SUM allreduce of float64 on ``device``, the
+        communicator's), as a CPU table."""
+        table = torch.zeros(self.c.nranks(), row.numel(), dtype=torch.float64, device=device)
+        table[self.c.rank()] = row.to(device)
+        if self.c.nranks() > 1:
+            comm.allreduce_inplace(table, ReduceOp.SUM, self.c)
+        return table.cpu()
 
     def average(self, delta: torch.Tensor) -> int:
         """Float32 allreduce of ``delta`` in place; return the bytes this rank sent."""
@@ -103,6 +133,11 @@ class OverMembers:
     def __init__(self, ft: FaultTolerance, rnd: Round) -> None:
         self.ft, self.rnd = ft, rnd
 
+    def report(self, row: torch.Tensor) -> Optional[torch.Tensor]:
+        """Every member's ``row`` in member order, as a table; ``None`` when the round failed (recorded)."""
+        rows = self.ft.allgather(row.cpu())
+        return None if rows is None else torch.stack(rows)
+
     def average(self, delta: torch.Tensor) -> int:
         """Weighted float32 allreduce of ``delta`` in place; return the bytes this member sent."""
         self.ft.allreduce(delta)
@@ -129,8 +164,11 @@ class OverMembers:
             x = flat
         n = x.numel()
         # every member decodes the same wires in member order: the same average, bit for bit
+        weights = self.ft.screen(x)  # a contribution not finite or far too large: left out, on every member
+        if weights is None:
+            return 0
         averaged = allgather_average(x, codec, self.ft.allgather, block_size,
-                                     weights=None if rnd.equal_weights() else rnd.weights)
+                                     weights=None if weights == rnd.weights and rnd.equal_weights() else weights)
         if averaged is None:
             return 0
         out, wire = averaged
