@@ -178,6 +178,8 @@ def check_fault_tolerance(hyper: "DiLoCoSettings", owner: str) -> None:
     unsupported = {
         "overlap_steps": (hyper.overlap_steps, 0, "a round is retried from its pseudo-gradient, run inline"),
         "warmup_steps": (hyper.warmup_steps, 0, "a warm-up averages gradients over a fixed world"),
+        "asynchronous": (getattr(hyper, "asynchronous", False), False, "asynchronous rounds go through a server on "
+                         "the first rank of a torch world, not (yet) through the coordinator"),
     }
     for name, (value, needed, why) in unsupported.items():
         if value != needed:
@@ -205,6 +207,28 @@ def _pick_codec(owner: str, codec: Optional[str], compression: str) -> str:
         raise ValueError(f"{owner}(codec={codec!r}, compression={compression!r}) name two codecs: pass codec= "
                          "alone (compression= is its older name)")
     return names.pop()
+
+
+def _check_asynchronous(hyper: "DiLoCoSettings") -> None:
+    """Refuse, saying why, the settings asynchronous DiLoCo (``asynchronous=True``) does not run."""
+    owner = hyper.owner
+    check_bool(owner, "asynchronous", hyper.asynchronous)
+    if not hyper.asynchronous:
+        return
+    needs = {
+        "fragments": (hyper.fragments, 1, "the server applies a worker's whole pseudo-gradient at once"),
+        "overlap_steps": (hyper.overlap_steps, 0, "a worker waits only for the server's answer, never for the others"),
+        "compression": (hyper.compression, "none", "the pseudo-gradients travel point to point in float32"),
+        "outer_optimizer": (hyper.outer_optimizer, None, "the server applies its own outer step (outer_lr, "
+                            "outer_momentum, nesterov: see bagua.torch_api.ops.diloco_async_outer)"),
+        "rounds": (getattr(hyper, "rounds", "steps"), "steps", "rounds by time make the workers meet; asynchronous "
+                   "workers never wait for each other"),
+        "sync_every_max": (getattr(hyper, "sync_every_max", None), None, "the link rule measures synchronous "
+                           "exchanges"),
+    }
+    for name, (value, needed, why) in needs.items():
+        if value is not needed and value != needed:
+            raise ValueError(f"{owner}(asynchronous=True) needs {name}={needed!r}, got {value!r}: {why}")
 
 
 def _check_outer_optimizer(owner: str, value: Any) -> None:
@@ -247,6 +271,7 @@ class DiLoCoSettings:
     offload_outer_state: bool = False
     outer_lr_warmup: Union[int, str] = AUTO
     codec: Optional[str] = None
+    asynchronous: bool = False
     rounds: str = "steps"
     speed_tolerance: float = 0.1
     sync_every_max: Optional[int] = None
@@ -287,6 +312,7 @@ class DiLoCoSettings:
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"{owner}(block_size=...) must be a power of two, got {self.block_size!r}")
         check_int(owner, "warmup_steps", self.warmup_steps, 0, "gradient-allreduce steps before the inner phases")
+        _check_asynchronous(self)
         _check_pace(self)
 
 
@@ -353,6 +379,13 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
             rule's (10 up to ``H = 20``) when ``outer_lr`` is ``"auto"`` too, else none.
         codec: the same choice as ``compression`` under the keyword every algorithm takes (ByteGrad's, QAdam's);
             pass one of the two. After construction both hold the codec's registered name.
+        asynchronous: asynchronous DiLoCo, for workers of unequal or changing speeds: a worker's pseudo-gradient is
+            applied when it arrives (by a server thread on rank 0, token-weighted, with delayed Nesterov against
+            staleness) and the worker goes on from the newest global weights without waiting for the others
+            (:mod:`bagua.torch_api.ops.diloco_async`). Call ``model.bagua_ddp.close()`` (``DiLoCoOptimizer.close()``)
+            on every rank when training ends: all then hold the same final global weights. Needs ``fragments=1``,
+            ``overlap_steps=0``, ``compression="none"``, the default outer optimizer and no ``fault_tolerance``; a
+            checkpoint does not hold the server's state (yet). Default ``False``.
         rounds: ``"steps"`` (default: every worker takes ``sync_every`` inner steps per round) or ``"time"``
             (workers of different speeds: each round, the fastest worker takes ``sync_every`` steps and a slower
             one ``round(sync_every * t_fastest / t_own)``, from the compute seconds per step each measured last

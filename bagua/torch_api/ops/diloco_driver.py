@@ -44,6 +44,7 @@ from bagua.torch_api.comm.process_group import BaguaCommunicator, BaguaProcessGr
 from bagua.torch_api.codecs.workspace import make_workspace
 from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.ops.diloco import Fragment, due_fragments, split_fragments, sync_offsets
+from bagua.torch_api.ops.diloco_async import AsyncDiLoCo
 from bagua.torch_api.ops.diloco_exchange import MemberResiduals, OverMembers, OverRanks, scale_by_tokens
 from bagua.torch_api.ops.diloco_outer import resolve_outer
 from bagua.torch_api.ops.diloco_pace import Pace
@@ -98,6 +99,9 @@ class DiLoCoDriver:
         self.processed = 0
         self._offsets = sync_offsets(hyper.sync_every, hyper.fragments)
         self._loaded: Optional[dict[str, torch.Tensor]] = None  # a checkpoint waiting for the fragments
+        #: asynchronous DiLoCo (``asynchronous=True``): each pseudo-gradient applied on arrival, by a server
+        self.asynchronous = AsyncDiLoCo(self.hyper, (group if communicator is None else communicator).ranks,
+                                        owner) if getattr(hyper, "asynchronous", False) else None
         #: rounds by time and the link rule (inactive by default: today's schedule)
         self.pace = Pace(hyper)
         # stats
@@ -146,6 +150,8 @@ class DiLoCoDriver:
                           for i, part in enumerate(parts)]
         if self._loaded is not None:
             self._load_fragments(self._loaded)
+        if self.asynchronous is not None:
+            self.asynchronous.start(self.fragments[0])
 
     def outer_factory(self) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
         """Return what builds a fragment's outer optimizer over ``[global]``: the user's ``outer_optimizer``, or SGD
@@ -211,6 +217,10 @@ class DiLoCoDriver:
                 if fragment.pending is not None and fragment.pending[0] <= step:
                     self._finish(fragment)
             for p in pace.due(step) if pace.active else due_fragments(step, H, self._offsets):
+                if self.asynchronous is not None:  # applied when it arrives; go on from the newest weights
+                    self.asynchronous.exchange(self.fragments[p], step)
+                    self.syncs += 1
+                    continue
                 if not self._start(self.fragments[p], step + tau):
                     return  # left out of the round: healed from a peer, whose counters this rank now holds
                 if tau == 0:
@@ -463,6 +473,8 @@ class DiLoCoDriver:
     def close(self, strict: bool = True) -> None:
         """Wait for the exchanges in flight (see :meth:`wait_pending`), then stop the driver's own thread."""
         self.wait_pending(strict)
+        if self.asynchronous is not None and self.fragments:
+            self.asynchronous.finish(self.fragments[0])  # every rank ends with the final global weights
         if self.worker is not None:
             self.worker.close()
             self.worker = None

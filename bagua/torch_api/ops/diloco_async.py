@@ -1,0 +1,243 @@
+"""Asynchronous DiLoCo's exchanges: a worker's pseudo-gradient is applied when it arrives, nobody waits.
+
+``DiLoCoAlgorithm(asynchronous=True)`` / ``contrib.DiLoCoOptimizer(..., asynchronous=True)``: every worker (rank)
+runs its rounds of ``sync_every`` inner steps at its own pace. When a round ends, the worker sends its
+pseudo-gradient ``delta = g_b - x`` (``g_b``: the global weights of version ``b`` it started from) to the
+*server* on the first rank of the group, which applies it at once with the outer step of
+:class:`~bagua.torch_api.ops.diloco_async_outer.AsyncOuter` (token-weighted, delayed Nesterov; its docstring gives
+the rule and the measurement that chose it) and answers with the newest global weights, from which the worker
+continues (``x = g``). A slow worker therefore delays nobody; its pseudo-gradient lands on weights that moved on
+(its *staleness*, logged).
+
+Transport: torch.distributed only. The server is a thread on the first rank with a gloo group of its own (created
+by every rank when the algorithm or optimizer is built, so nothing it sends meets another collective). A worker
+sends a small float64 header ``(kind, worker, tokens, base version)`` and its float32 pseudo-gradient by
+point-to-point ``send``; the server receives headers from any source, so arrivals are served in the order they
+come, one at a time, and sends back ``(version,)`` and the global weights. The first rank's own worker calls the
+server in-process, under the same lock. Nothing received is unpickled: only tensors of known shape travel.
+
+The end: :meth:`AsyncDiLoCo.finish` (``DiLoCoOptimizer.close()``, or ``model.bagua_ddp.close()`` under
+``with_bagua``; call it on every rank when training ends) sends ``done`` and waits until every worker has; the
+server then sends everyone the final global weights, so all ranks end with the same weights, bit for bit. The
+inner steps of an unfinished round are dropped. Every wait is bounded by ``BAGUA_COMM_TIMEOUT_S``: a dead peer (or a
+worker that never calls ``close()``) gives an error naming the rank, never a hang, so set it above the longest time
+a worker may train on after the first one finished. The server's :attr:`AsyncDiLoCo.arrivals` (on the first rank) is
+the ordered log of every arrival applied.
+
+Example:
+    >>> inner = torch.optim.AdamW(model.parameters())  # doctest: +SKIP
+    >>> optimizer = DiLoCoOptimizer(inner, sync_every=20, asynchronous=True)  # doctest: +SKIP
+    >>> for batch in data: loss(model, batch).backward(); optimizer.step(); optimizer.zero_grad()  # doctest: +SKIP
+    >>> optimizer.close()  # every rank: all end with the same global weights  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from bagua.torch_api import env
+from bagua.torch_api.ops.diloco_async_outer import DEFAULT_REMEDY, Arrival, AsyncOuter
+
+__all__ = ["AsyncDiLoCo", "ARRIVAL", "DONE"]
+
+logger = logging.getLogger(__name__)
+
+#: the kinds of a worker's header
+ARRIVAL, DONE = 1.0, 2.0
+_TAG_HEADER, _TAG_DELTA, _TAG_VERSION, _TAG_GLOBAL = 11, 12, 13, 14
+
+
+class AsyncDiLoCo:
+    """One rank's side of asynchronous DiLoCo: its worker's exchanges, and on the first rank the server.
+
+    Building it is collective (a gloo group over ``ranks``; every process of the torch world builds it, in the same
+    order relative to other groups). ``ranks`` must be the whole world: one model per rank.
+
+    Args:
+        hyper: the settings, outer ones resolved (``outer_lr``, ``outer_momentum``, ``nesterov``,
+            ``outer_lr_warmup``).
+        ranks: the global ranks of the workers; the first is the server.
+        owner: names the caller in errors.
+
+    Attributes: ``version`` (the global version this worker's weights are), ``arrivals`` (the server's log of
+    :class:`~bagua.torch_api.ops.diloco_async_outer.Arrival`, on the first rank; empty elsewhere).
+
+    Example:
+        >>> run = AsyncDiLoCo(settings, ranks=[0, 1], owner="DiLoCo")  # doctest: +SKIP
+        >>> run.start(fragment); run.exchange(fragment, step=20); run.finish(fragment)  # doctest: +SKIP
+    """
+
+    def __init__(self, hyper: Any, ranks: list[int], owner: str) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError(f"{owner}(asynchronous=True) needs torch.distributed: call init_process_group() first")
+        ranks = sorted(ranks)
+        if len(ranks) != dist.get_world_size():
+            raise ValueError(f"{owner}(asynchronous=True) runs over the whole torch world, one model per rank; this "
+                             f"group holds {len(ranks)} of its {dist.get_world_size()} ranks (a sub-group, or FSDP2 "
+                             "shards). Use the default group, or asynchronous=False")
+        # user settings
+        self.hyper = hyper
+        self.owner = owner
+        self.ranks = ranks
+        self.timeout_s = env.get_comm_timeout_s()
+        # internal state
+        self.index = ranks.index(dist.get_rank())
+        self.group = dist.new_group(ranks, backend="gloo", timeout=datetime.timedelta(seconds=self.timeout_s))
+        self.version = 0
+        self._last_step = 0  # the inner step of this worker's last exchange
+        self.finished = False
+        self.outer: Optional[AsyncOuter] = None  # the server's (first rank)
+        self._lock = threading.Lock()
+        self._local_done = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    @property
+    def is_server(self) -> bool:
+        """Whether this rank holds the global weights and serves the others."""
+        return self.index == 0
+
+    @property
+    def arrivals(self) -> list[Arrival]:
+        """The server's ordered log of arrivals (a copy); empty on other ranks."""
+        if self.outer is None:
+            return []
+        with self._lock:
+            return list(self.outer.log)
+
+    # -- start -------------------------------------------------------------------------------------------------
+
+    def start(self, fragment: Any) -> None:
+        """Begin over ``fragment`` (one :class:`~bagua.torch_api.ops.diloco.Fragment` holding every parameter),
+        whose global weights are the same on every rank: on the first rank, the server starts from them."""
+        if not self.is_server or self.outer is not None:
+            return
+        h = self.hyper
+        self.outer = AsyncOuter(fragment.global_.detach().to("cpu", torch.float32, copy=True), len(self.ranks),
+                                h.outer_lr, h.outer_momentum, h.nesterov, h.outer_lr_warmup, DEFAULT_REMEDY)
+        if len(self.ranks) > 1:
+            self._thread = threading.Thread(target=self._serve, args=(fragment.numel,), daemon=True,
+                                            name="bagua-diloco-async-server")
+            self._thread.start()
+
+    # -- a worker's round --------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def exchange(self, fragment: Any, step: int) -> None:
+        """Send this worker's pseudo-gradient, its round ending at inner step ``step`` (its tokens: the inner steps
+        since its last exchange), and continue from the newest global weights."""
+        if self.finished:
+            raise ValueError(f"{self.owner}(asynchronous=True): an inner step after close(); build a new one")
+        tokens, self._last_step = step - self._last_step, step
+        delta = fragment.pseudo_gradient().to("cpu", torch.float32)
+        if self.is_server:
+            self._raise_server_error()
+            assert self.outer is not None, "start() was not called"
+            with self._lock:
+                self.outer.apply(0, int(tokens), self.version, delta)
+                version, new = self.outer.version, self.outer.global_.clone()
+        else:
+            header = torch.tensor([ARRIVAL, self.index, int(tokens), self.version], dtype=torch.float64)
+            version, new = self._call(header, delta.contiguous(), fragment.numel)
+        self._adopt(fragment, version, new)
+
+    def finish(self, fragment: Any) -> None:
+        """Say this worker is done, wait for every worker to be, and take the final global weights (the same on
+        every rank); then the server stops. Idempotent."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.is_server:
+            assert self.outer is not None, "start() was not called"
+            self._local_done.set()
+            if self._thread is not None:
+                self._thread.join(timeout=self.timeout_s + 5.0)
+                if self._thread.is_alive():
+                    raise RuntimeError(f"{self.owner}(asynchronous=True): the server on rank {self.ranks[0]} did not "
+                                       f"end within {self.timeout_s:.0f} s (BAGUA_COMM_TIMEOUT_S)")
+            self._raise_server_error()
+            with self._lock:
+                version, new = self.outer.version, self.outer.global_.clone()
+        else:
+            header = torch.tensor([DONE, self.index, 0, self.version], dtype=torch.float64)
+            version, new = self._call(header, None, fragment.numel)
+        self._adopt(fragment, version, new)
+        self.group = None  # the server's thread has ended (first rank) or will not answer again
+
+    @torch.no_grad()
+    def _adopt(self, fragment: Any, version: int, new: torch.Tensor) -> None:
+        fragment.global_.copy_(new)
+        offset = 0
+        for p in fragment.params:
+            p.copy_(fragment.global_[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        self.version = version
+
+    def _call(self, header: torch.Tensor, delta: Optional[torch.Tensor], numel: int) -> tuple[int, torch.Tensor]:
+        server = self.ranks[0]
+        reply, new = torch.zeros(1, dtype=torch.float64), torch.empty(numel, dtype=torch.float32)
+        try:
+            dist.send(header, server, group=self.group, tag=_TAG_HEADER)
+            if delta is not None:
+                dist.send(delta, server, group=self.group, tag=_TAG_DELTA)
+            dist.recv(reply, server, group=self.group, tag=_TAG_VERSION)
+            dist.recv(new, server, group=self.group, tag=_TAG_GLOBAL)
+        except RuntimeError as e:
+            what = "the final global weights" if delta is None else "the new global weights"
+            raise RuntimeError(
+                f"{self.owner}(asynchronous=True): rank {dist.get_rank()} got no answer with {what} from the server "
+                f"on rank {server} within {self.timeout_s:.0f} s (BAGUA_COMM_TIMEOUT_S): the server's rank died or "
+                "stopped on an error (see its log), or another worker did not call close(), or it trains longer "
+                f"than the timeout after this one finished (raise BAGUA_COMM_TIMEOUT_S). Cause: {e}") from e
+        return int(reply[0]), new
+
+    # -- the server (first rank) ------------------------------------------------------------------------------
+
+    def _serve(self, numel: int) -> None:
+        assert self.outer is not None
+        done: set[int] = set()
+        header = torch.zeros(4, dtype=torch.float64)
+        try:
+            while len(done) < len(self.ranks) - 1:
+                dist.recv(header, None, group=self.group, tag=_TAG_HEADER)
+                kind, worker, tokens, base = (int(v) for v in header.tolist())
+                if not 0 < worker < len(self.ranks) or kind not in (ARRIVAL, DONE):
+                    raise RuntimeError(f"a header {header.tolist()} that no worker sends: another program sends to "
+                                       "this group")
+                rank = self.ranks[worker]
+                if kind == DONE:
+                    done.add(worker)
+                    continue
+                delta = torch.empty(numel, dtype=torch.float32)
+                dist.recv(delta, rank, group=self.group, tag=_TAG_DELTA)
+                with self._lock:
+                    arrival = self.outer.apply(worker, tokens, base, delta)
+                    new = self.outer.global_.clone()
+                logger.debug("asynchronous DiLoCo: %s", arrival)
+                self._reply(rank, arrival.version, new)
+            while not self._local_done.wait(timeout=1.0):
+                pass  # the first rank's own worker trains on; it sets the event in finish()
+            with self._lock:
+                version, new = self.outer.version, self.outer.global_.clone()
+            for rank in self.ranks[1:]:
+                self._reply(rank, version, new)
+        except BaseException as e:  # noqa: BLE001 - kept, raised on the first rank's next exchange or finish
+            self._error = e
+            logger.error("%s(asynchronous=True): the server on rank %d stopped: %r", self.owner, self.ranks[0], e)
+
+    def _reply(self, rank: int, version: int, new: torch.Tensor) -> None:
+        dist.send(torch.tensor([version], dtype=torch.float64), rank, group=self.group, tag=_TAG_VERSION)
+        dist.send(new, rank, group=self.group, tag=_TAG_GLOBAL)
+
+    def _raise_server_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(
+                f"{self.owner}(asynchronous=True): the server on rank {self.ranks[0]} stopped: {self._error}. A "
+                f"worker died or sent nothing within {self.timeout_s:.0f} s (BAGUA_COMM_TIMEOUT_S; raise it when a "
+                "round can take longer)") from self._error

@@ -1,0 +1,200 @@
+"""Asynchronous DiLoCo (``asynchronous=True``) against its rule replayed plainly on tensors in this file.
+
+Each worker records, just before each exchange, the version it started from and its pseudo-gradient
+``g_base - x``; rank 0 returns the server's ordered log of arrivals. The test replays the log with the rule
+written out here (the ``t``-th arrival, ``N`` workers: ``w = tokens / mean tokens of arrivals 1..t``; ``lr_t =
+lr * min(1, ((t - 1) // N + 1) / W)``; ``g -= lr_t * w * delta / N``; every ``N``-th arrival ``m = beta * m +
+(sum of the last N w * delta) / N`` and ``g -= lr_t * beta * m``) and checks every rank ends with those weights.
+Tolerance: every rank's final weights are equal bit for bit (they receive the server's bytes); against the replay,
+float32 rounding of a different order of operations (rtol 1e-5, atol 1e-6).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from tests.harness import run_workers
+from tests.torch_api.models import batch, make_model
+
+LR, MOMENTUM, WARMUP = 0.8, 0.5, 2
+#: seconds each step of a rank is padded by: rank 1 is slow
+PAD_S = {0: 0.0, 1: 0.03}
+#: (inner steps per round, steps trained) of each rank: the optimizer's rank 1 takes shorter rounds (Async
+#: Local-SGD's dynamic local updates, by hand); the engine checks its ranks' settings agree, so there both take 4
+ROUNDS = {"optimizer": {0: (4, 24), 1: (2, 8)}, "with_bagua": {0: (4, 24), 1: (4, 12)}}
+
+
+def _flat(model: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def _record_exchanges() -> list:
+    """Wrap the exchange so that it records (base version, pseudo-gradient) in this process."""
+    from bagua.torch_api.ops import diloco_async
+
+    sent: list = []
+    original = diloco_async.AsyncDiLoCo.exchange
+
+    def exchange(self, fragment, step):
+        local = torch.cat([p.detach().reshape(-1) for p in fragment.params])
+        sent.append((self.version, fragment.global_ - local))
+        return original(self, fragment, step)
+
+    diloco_async.AsyncDiLoCo.exchange = exchange
+    return sent
+
+
+def _train(rank, model, opt, steps):
+    for step in range(1, steps + 1):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        time.sleep(PAD_S[rank])  # a slow worker: its steps take longer
+        opt.step()
+
+
+def _worker_arrivals(rank, world_size, path):
+    H, steps = ROUNDS[path][rank]
+    sent = _record_exchanges()
+    model = make_model(rank)
+    inner = torch.optim.SGD(model.parameters(), lr=0.05)
+    settings = dict(asynchronous=True, outer_lr=LR, outer_momentum=MOMENTUM, outer_lr_warmup=WARMUP)
+    if path == "optimizer":
+        from bagua.torch_api.contrib import DiLoCoOptimizer
+
+        opt = DiLoCoOptimizer(inner, sync_every=H, **settings)
+        close = opt.close
+        driver = opt.driver
+    else:
+        from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
+
+        model = model.with_bagua([inner], DiLoCoAlgorithm(sync_every=H, hierarchical=False, **settings))
+        opt = inner
+        close = model.bagua_ddp.close
+        driver = model.bagua_ddp.impl.driver
+    start = _flat(model)
+    _train(rank, model, opt, steps)
+    close()
+    log = [tuple(a) for a in driver.asynchronous.arrivals]
+    return start, sent, log, _flat(model)
+
+
+def _replay(start, log, sent, workers, rounds):
+    g, m, acc = start.clone(), torch.zeros_like(start), torch.zeros_like(start)
+    queues = {w: list(s) for w, s in sent.items()}
+    tokens_seen = 0
+    for t, (worker, tokens, base, version, staleness, weight) in enumerate(log, start=1):
+        sent_base, delta = queues[worker].pop(0)
+        assert (sent_base, version, staleness) == (base, t, t - 1 - base), (t, worker)
+        assert tokens == rounds[worker][0]
+        tokens_seen += tokens
+        w = tokens / (tokens_seen / t)
+        assert weight == pytest.approx(w)
+        lr = LR * min(1.0, ((t - 1) // workers + 1) / WARMUP)
+        g = g - lr * (w * delta) / workers
+        acc = acc + w * delta
+        if t % workers == 0:
+            m = MOMENTUM * m + acc / workers
+            g = g - lr * MOMENTUM * m
+            acc = torch.zeros_like(acc)
+    assert all(not q for q in queues.values()), "a recorded pseudo-gradient never arrived"
+    return g
+
+
+@pytest.mark.parametrize("path", ["optimizer", "with_bagua"])
+def test_arrivals_replayed_in_the_logged_order_give_every_rank_the_final_weights(path):
+    rounds = ROUNDS[path]
+    (start0, sent0, log, final0), (start1, sent1, _, final1) = run_workers(_worker_arrivals, 2, path, timeout=120)
+    assert torch.equal(start0, start1)
+    assert torch.equal(final0, final1), "the ranks ended with different weights"
+    assert len(log) == len(sent0) + len(sent1) == sum(steps // H for H, steps in rounds.values())
+    assert any(a[4] > 0 for a in log), "no arrival was stale: the run was not asynchronous"
+    assert_close(final0, _replay(start0, log, {0: sent0, 1: sent1}, 2, rounds), rtol=1e-5, atol=1e-6)
+
+
+# -- one worker: synchronous DiLoCo's maths -----------------------------------------------------------------
+
+
+def _worker_single(rank, world_size):
+    from bagua.torch_api.contrib import DiLoCoOptimizer
+
+    finals = []
+    for asynchronous in (True, False):
+        model = make_model(0)
+        opt = DiLoCoOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), sync_every=3, outer_lr=0.7,
+                              outer_momentum=0.9, asynchronous=asynchronous)
+        for step in range(1, 13):
+            x, y = batch(0, step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        opt.close()
+        finals.append((_flat(model), opt.syncs))
+    return finals
+
+
+def test_one_worker_takes_synchronous_dilocos_nesterov_steps():
+    """With one worker every arrival is fresh and a whole round: the rule is torch's Nesterov SGD step of
+    synchronous DiLoCo (up to rounding: ``g - lr * d - lr * beta * m`` against ``g - lr * (d + beta * m)``)."""
+    (asynchronous, syncs_a), (synchronous, syncs_s) = run_workers(_worker_single, 1, timeout=120)[0]
+    assert syncs_a == syncs_s == 4
+    assert_close(asynchronous, synchronous, rtol=1e-5, atol=1e-6)
+
+
+# -- a peer that dies --------------------------------------------------------------------------------------
+
+
+def _worker_dead_peer(rank, world_size):
+    from bagua.torch_api.contrib import DiLoCoOptimizer
+
+    model = make_model(rank)
+    opt = DiLoCoOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), sync_every=2, asynchronous=True)
+    for step in range(1, 3 if rank == 1 else 5):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    if rank == 1:
+        return None  # leaves without close(): the server must not wait for it forever
+    time.sleep(0.5)
+    started = time.monotonic()
+    try:
+        opt.close()
+    except RuntimeError as e:
+        return str(e), time.monotonic() - started
+    return "no error", time.monotonic() - started
+
+
+def test_a_worker_that_leaves_without_closing_gives_an_error_not_a_hang():
+    message, seconds = run_workers(_worker_dead_peer, 2, env={"BAGUA_COMM_TIMEOUT_S": "3"}, timeout=60)[0]
+    assert "asynchronous=True" in message and "server on rank 0" in message, message
+    assert seconds < 15
+
+
+# -- settings ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(asynchronous="yes"), "must be True or False"),
+    (dict(asynchronous=True, fragments=2, sync_every=4), "needs fragments=1"),
+    (dict(asynchronous=True, compression="uint8"), "needs compression='none'"),
+    (dict(asynchronous=True, overlap_steps=1, sync_every=4), "needs overlap_steps=0"),
+    (dict(asynchronous=True, outer_optimizer=torch.optim.Adam), "needs outer_optimizer=None"),
+])
+def test_unsupported_settings_are_refused_with_the_reason(kwargs, words):
+    from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm, DiLoCoSettings
+
+    for cls in (DiLoCoSettings, DiLoCoAlgorithm):
+        with pytest.raises(ValueError, match=words):
+            cls(**kwargs)
+
+
+def test_fault_tolerance_is_refused():
+    from bagua.torch_api.algorithms.diloco import DiLoCoSettings, check_fault_tolerance
+
+    with pytest.raises(ValueError, match="needs asynchronous=False"):
+        check_fault_tolerance(DiLoCoSettings(asynchronous=True), "DiLoCoOptimizer")
