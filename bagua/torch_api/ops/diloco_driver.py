@@ -15,6 +15,10 @@ factory and the checkpoint of it all. Its callers only map their own events to i
   :meth:`DiLoCoDriver.heal_state_dict` / :meth:`DiLoCoDriver.load_heal_state_dict`: the fault layer never reads
   the driver.
 
+The fault-tolerant rounds live in :class:`~bagua.torch_api.ops.diloco_fault_rounds.FaultRounds`, the reports,
+plans and records of rounds by time and the link rule (:class:`~bagua.torch_api.ops.diloco_pace.Pace`) in
+:class:`~bagua.torch_api.ops.diloco_report.PacedRounds`: both are base classes of the driver.
+
 Both exchanges run one path, :meth:`~bagua.torch_api.ops.diloco.Fragment.exchange`, over the ranks
 (:class:`~bagua.torch_api.ops.diloco_exchange.OverRanks`) or over a round's members
 (:class:`~bagua.torch_api.ops.diloco_exchange.OverMembers`); either keeps its residuals in the fragment's
@@ -45,10 +49,12 @@ from bagua.torch_api.codecs.workspace import make_workspace
 from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.ops.diloco import Fragment, due_fragments, split_fragments, sync_offsets
 from bagua.torch_api.ops.diloco_async import AsyncDiLoCo
-from bagua.torch_api.ops.diloco_exchange import MemberResiduals, OverMembers, OverRanks, scale_by_tokens
+from bagua.torch_api.ops.diloco_exchange import MemberResiduals, OverRanks
+from bagua.torch_api.ops.diloco_fault_rounds import FaultRounds
 from bagua.torch_api.ops.diloco_outer import resolve_outer
 from bagua.torch_api.ops.diloco_pace import Pace
-from bagua.torch_api.ops.diloco_stats import RoundRecord, Rounds, pace_key
+from bagua.torch_api.ops.diloco_report import PacedRounds
+from bagua.torch_api.ops.diloco_stats import Rounds
 
 __all__ = ["DiLoCoDriver", "Submit", "driver_property"]
 
@@ -56,7 +62,7 @@ __all__ = ["DiLoCoDriver", "Submit", "driver_property"]
 Submit = Callable[[Callable[[], None], str, bool], Any]
 
 
-class DiLoCoDriver:
+class DiLoCoDriver(FaultRounds, PacedRounds):
     """Fragments, their exchanges and outer steps, the step counters and their checkpoint.
 
     Args:
@@ -108,19 +114,6 @@ class DiLoCoDriver:
         self.syncs = 0
         self.bytes_sent = 0
         self.stats = Rounds(self._publisher())
-
-    @property
-    def records(self) -> list[RoundRecord]:
-        """One record per round ended, with ``rounds="time"`` or ``sync_every_max`` (see
-        :mod:`~bagua.torch_api.ops.diloco_stats`)."""
-        return self.stats.records
-
-    def add_samples(self, n: int) -> None:
-        """Count ``n`` samples in the current inner step (default 1 per step): with ``rounds="time"`` or
-        ``sync_every_max`` (and always under fault tolerance) the average weighs each pseudo-gradient by them."""
-        self.pace.add_samples(n)
-        if self.fault is not None:
-            self.fault.add_samples(n)
 
     # -- the moments of a step ---------------------------------------------------------------------------------
 
@@ -270,40 +263,6 @@ class DiLoCoDriver:
             hierarchy.run_hierarchically(self.group, self.hierarchical, delta, exchange, average=True)
         self.pace.exchange_s += time.monotonic() - started
 
-    def _report(self, fragment: Fragment, delta: torch.Tensor) -> None:
-        """Gather every rank's report row before ``fragment``'s exchange (on the exchange's thread, waited for: it
-        absorbs the wait for the slowest rank), scale ``delta`` by this rank's tokens, and at the round's last
-        fragment plan the next round."""
-        c = self.communicator if self.group is None else hierarchy.exchange_communicator(self.group, False)
-        row, out = self.pace.row(self.pace.take_samples(fragment.index)), []
-        started = time.monotonic()
-        run = lambda: out.append(OverRanks(c).report(row, delta.device))  # noqa: E731
-        if self.submit is not None:
-            self.submit(run, f"DiLoCo report before fragment {fragment.index}", delta.is_cuda).wait(
-                env.get_comm_timeout_s())
-        else:
-            run()
-        self.pace.wait_s += time.monotonic() - started
-        table, me = out[0], c.rank()
-        scale_by_tokens(delta, table[:, 0].tolist(), me)
-        if fragment.index == len(self.fragments) - 1:
-            self._round_end(table, me, [str(i) for i in range(c.nranks())])
-
-    def _round_end(self, table: torch.Tensor, me: int, workers: list[str]) -> None:
-        """The round's last report: record it, and plan the next round (the link rule, each worker's steps)."""
-        base = self.pace.base
-        self.pace.plan(table, me)
-        self.stats.log = self.fault is not None or me == 0
-        self.stats.report(self.pace.round, base, workers, table, me)
-
-    def _publisher(self) -> Optional[Callable[[str], None]]:
-        """Under fault tolerance, on the worker's first rank: set this worker's row in the coordinator's store."""
-        ft = self.fault
-        if ft is None or (ft.ranks is not None and ft.ranks.rank != 0):
-            return None
-        key = pace_key(ft.quorums.prefix, ft.worker)
-        return lambda text: ft.quorums.store.set(key, text)
-
     def _finish(self, fragment: Fragment) -> None:
         self._warm_outer_lr(fragment)
         fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
@@ -329,94 +288,6 @@ class DiLoCoDriver:
         of fault-tolerant DiLoCo)."""
         fragment.pending = (self.processed, None)
         self._finish(fragment)
-
-    # -- fault tolerance: rounds over the live workers, healing through the driver's own state ----------------
-
-    def settings_text(self) -> str:
-        """What every worker of a fault-tolerant job must share: the exchange's shape and the outer step ("auto"
-        resolved; each worker takes it on the same average, so different ones would part the weights)."""
-        h = self.hyper
-        outer = ("custom" if h.outer_optimizer is not None else
-                 f"lr={h.outer_lr} momentum={h.outer_momentum} nesterov={h.nesterov} lr_warmup={h.outer_lr_warmup}")
-        pace = (f" rounds={h.rounds} speed_tolerance={h.speed_tolerance} sync_every_max={h.sync_every_max} "
-                f"max_exchange_share={h.max_exchange_share}" if self.pace.active else "")
-        return (f"sync_every={h.sync_every} fragments={h.fragments} compression={h.compression} "
-                f"block_size={h.block_size} outer: {outer}{pace}")
-
-    def join(self, optimizer: Optional[torch.optim.Optimizer]) -> None:
-        """Register the driver's state with the fault-tolerance communicator and join the job (the first worker's
-        weights at the start, a live peer's state later); ``optimizer``: the inner one, whose state heals too."""
-        assert self.fault is not None, "join() is for a driver with fault tolerance"
-        self.fault.register(self.heal_state_dict, self.load_heal_state_dict, self.settings_text(),
-                            needs="the same sync_every, fragments, compression and outer step", optimizer=optimizer)
-        self._fault_round(None)
-
-    def _fault_round(self, fragment: Optional[Fragment]) -> bool:
-        """Average ``fragment.delta`` over a round's live workers, retrying without those that fail; ``None``: join.
-
-        Returns False when this worker healed in the round instead (it was joining, or left out): it then holds a
-        peer's state (weights, counters) with that round's outer step taken, so the caller skips its own.
-        """
-        ft = self.fault
-        assert ft is not None
-        saved = fragment.delta.clone() if fragment is not None else None
-        if fragment is not None and self.pace.active:
-            self.pace.take_samples(fragment.index)  # the round weighs the fault layer's count
-        while True:
-            started, table = time.monotonic(), None
-            rnd = ft.start_round(self.syncs, fragment.index if fragment is not None else -1)
-            if rnd.part >= 0:
-                if not rnd.healed and fragment is not None and fragment.index != rnd.part:
-                    ft.fail(ValueError(f"worker {ft.worker!r} synchronizes fragment {fragment.index} while the "
-                                       f"others synchronize {rnd.part}: the workers' DiLoCo settings differ"))
-                else:
-                    if self.pace.active:  # every member's report row: the plan, and the wait it absorbed
-                        table = OverMembers(ft, rnd).report(self.pace.row(rnd.weights[rnd.rank]))
-                        self.pace.wait_s += time.monotonic() - started
-                    exchanged = time.monotonic()
-                    self.bytes_sent += self.fragments[rnd.part].exchange(
-                        OverMembers(ft, rnd), self.hyper.compression, self.hyper.block_size, self.error_feedback)
-                    self.pace.exchange_s += time.monotonic() - exchanged
-            if ft.should_commit():
-                if table is not None and rnd.part == len(self.fragments) - 1:
-                    self._round_end(table, rnd.rank, rnd.quorum.ids)
-                if rnd.healed:
-                    if rnd.part >= 0:
-                        self.finish_now(self.fragments[rnd.part])
-                        if self.pace.active and self.pace.round_over(self.processed):
-                            self.pace.new_round(self.processed)  # the peer's round ended here
-                    return False
-                if rnd.part >= 0 and isinstance(self.fragments[rnd.part].workspace, MemberResiduals):
-                    self.fragments[rnd.part].workspace.commit()  # the round is ok: its residual is ours now
-                return True
-            if fragment is not None and saved is not None:
-                fragment.delta.copy_(saved)
-
-    def heal_state_dict(self) -> dict[str, torch.Tensor]:
-        """What a joining worker takes from this one: :meth:`state_dict` (counters, global weights, outer optimizer
-        tensors, an exchange in flight) and ``syncs``, without the codec residuals (``*.codec.*``), which are this
-        worker's own."""
-        self._check_built()
-        state = {k: v for k, v in self.state_dict(("steps", "processed")).items() if ".codec." not in k}
-        state["syncs"] = torch.tensor(self.syncs)
-        return state
-
-    @torch.no_grad()
-    def load_heal_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Take a peer's :meth:`heal_state_dict`: start the per-rank state empty (no exchange in flight, residuals
-        at zero), load the counters, global weights and outer state, and set the weights to the global ones
-        (``x = g``)."""
-        self._check_built()
-        for fragment in self.fragments:
-            fragment.workspace = None  # a new workspace's residuals start at zero
-            fragment.pending = None
-        self.load_state_dict({k: v for k, v in state.items() if k != "syncs"})
-        self.syncs = int(state["syncs"])
-        for fragment in self.fragments:
-            offset = 0
-            for p in fragment.params:
-                p.copy_(fragment.global_[offset : offset + p.numel()].view_as(p))
-                offset += p.numel()
 
     def _check_built(self) -> None:
         if not self.fragments:

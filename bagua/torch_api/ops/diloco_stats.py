@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["RoundRecord", "Rounds", "KEEP", "pace_key"]
+__all__ = ["RoundRecord", "Rounds", "KEEP", "pace_key", "StoreRows", "read_rows"]
 
 _log = logging.getLogger(__name__)
 
@@ -35,6 +35,45 @@ KEEP = 10000
 def pace_key(prefix: str, worker: str) -> str:
     """The store key of a fault-tolerant worker's latest row."""
     return f"{prefix}/pace/{worker}"
+
+
+class StoreRows:
+    """Publish one worker's latest row in a store (torch ``Store``: ``add``, ``set``): the worker's id once under
+    ``<prefix>/pace/names/<n>`` (``<prefix>/pace/n`` counts them), its row as JSON under :func:`pace_key`. A view
+    for people (``python -m bagua.torch_api.fault.top``); no worker reads it to decide anything."""
+
+    def __init__(self, store: Any, prefix: str, worker: str) -> None:
+        self.store, self.prefix, self.worker = store, prefix, worker
+        self._named = False
+
+    def __call__(self, text: str) -> None:
+        if not self._named:
+            self.store.set(f"{self.prefix}/pace/names/{self.store.add(f'{self.prefix}/pace/n', 1)}", self.worker)
+            self._named = True
+        self.store.set(pace_key(self.prefix, self.worker), text)
+
+
+#: a row's fields and their types, as :meth:`RoundRecord.row` writes them
+_FIELDS = {"worker": str, "round": int, "sync_every": int, "speed": float, "steps": int, "tokens": float,
+           "wait_s": float, "exchange_s": float, "time": float}
+
+
+def read_rows(store: Any, prefix: str) -> list[dict[str, Any]]:
+    """Every published worker's latest row (:class:`StoreRows`), by worker id; a malformed row is left out."""
+    n = int(store.add(f"{prefix}/pace/n", 0))
+    names = sorted({store.get(k).decode() for k in (f"{prefix}/pace/names/{i}" for i in range(1, n + 1))
+                    if store.check([k])})
+    rows = []
+    for name in names:
+        key = pace_key(prefix, name)
+        if not store.check([key]):
+            continue
+        try:
+            raw = json.loads(store.get(key).decode())
+            rows.append({f: kind(raw[f]) for f, kind in _FIELDS.items()})
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError):
+            continue  # not a row we wrote: leave it out
+    return rows
 
 
 @dataclass

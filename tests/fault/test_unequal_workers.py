@@ -1,0 +1,73 @@
+"""Fault-tolerant DiLoCo with workers of different speeds (``rounds="time"``), on a real coordinator.
+
+Two workers (threads of the test, each its own ``FaultTolerance`` and ``DiLoCoOptimizer``); the second is padded:
+it sleeps 4x the first's step in every step. After the first round it takes fewer inner steps, the new global
+weights are the token-weighted mean of the workers' weights (outer SGD with lr 1, momentum 0), written plainly
+here from what each worker recorded, and ``python -m bagua.torch_api.fault.top --once`` shows both workers' rows.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from bagua.torch_api.fault.replica import FaultTolerance
+from tests.torch_api.models import batch, make_model, params_of
+
+
+def _worker(address: str, i: int) -> dict:
+    from bagua.torch_api.contrib import DiLoCoOptimizer
+
+    ft = FaultTolerance(address, f"w{i}", workers=2, heartbeat_s=0.1, stale_s=2.0, timeout_s=30.0,
+                        exchange_timeout_s=10.0, prefix="unequal")
+    model = make_model(i)
+    opt = DiLoCoOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), sync_every=8, rounds="time",
+                          outer_lr=1.0, outer_momentum=0.0, fault_tolerance=ft)
+    samples, step_s = (3, 0.005) if i == 0 else (5, 0.02)
+    rounds, steps, tokens, step = [], 0, 0, 0
+    while opt.syncs < 4:
+        step += 1
+        x, y = batch(i, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.inner.step()
+        time.sleep(step_s)
+        before, syncs = params_of(model), opt.syncs
+        steps, tokens = steps + 1, tokens + samples
+        opt.driver.add_samples(samples)
+        opt.after_inner_step()
+        if opt.syncs > syncs:
+            rounds.append((steps, tokens, before, params_of(model)))
+            steps = tokens = 0
+    records = [(r.workers, r.steps, r.tokens) for r in opt.driver.records]
+    return {"rounds": rounds, "records": records, "ft": ft}
+
+
+def test_a_padded_worker_takes_fewer_steps_and_weighs_by_its_tokens(coordinator):
+    with ThreadPoolExecutor(2) as pool:
+        fast, slow = pool.map(lambda i: _worker(coordinator, i), [0, 1])
+    top = subprocess.run([sys.executable, "-m", "bagua.torch_api.fault.top", "--coordinator", coordinator,
+                          "--prefix", "unequal", "--once"], capture_output=True, text=True, timeout=60)
+    for r in (fast, slow):
+        r["ft"].close()
+    assert [r[0] for r in fast["rounds"]] == [8] * 4
+    assert slow["rounds"][0][0] == 8 and all(r[0] < 8 for r in slow["rounds"][1:]), slow["rounds"]
+    for (n0, w0, x0, g0), (n1, w1, x1, g1) in zip(fast["rounds"], slow["rounds"]):
+        assert (w0, w1) == (3 * n0, 5 * n1)
+        for a, b, p0, p1 in zip(x0, x1, g0, g1):
+            expected = (w0 * a.double() + w1 * b.double()) / (w0 + w1)
+            torch.testing.assert_close(p0.double(), expected, rtol=0, atol=1e-6)
+            assert torch.equal(p0, p1)
+    # the records name the round's members, with each one's steps and tokens
+    assert fast["records"] == slow["records"]
+    assert fast["records"][1] == (["w0", "w1"], [8, slow["rounds"][1][0]],
+                                  [float(fast["rounds"][1][1]), float(slow["rounds"][1][1])])
+    # the live table: both workers' latest rows
+    assert top.returncode == 0, top.stderr
+    lines = top.stdout.splitlines()
+    assert lines[0].split()[:3] == ["worker", "round", "sync_every"]
+    assert [line.split()[0] for line in lines[1:]] == ["w0", "w1"], top.stdout
