@@ -5,9 +5,11 @@
 Four emulated hosts (:class:`benchmarks.common.netns.NetnsCluster`, one rank each, every link shaped with tbf) train
 the benchmark GPT (:mod:`benchmarks.common.gpt`, the size given by ``--n-layer``/``--n-embd``/``--block``) until the
 validation loss of the global weights reaches ``--target``. Each host runs
-:mod:`benchmarks.to_target.unequal_worker`, which makes a worker of speed ``s`` slow by padding each inner step by
-``(1/s - 1)`` times that step's measured compute (a sleep inside ``optimizer.step()``, before the update and the
-system's exchange), so the system sees the slowness and takes its own trajectory.
+:mod:`benchmarks.to_target.unequal_worker`, which makes a worker of speed ``s`` slow by a sleep inside
+``optimizer.step()`` (before the update and the system's exchange), so the system sees the slowness and takes its
+own trajectory: with ``--step-s T`` every step is padded to ``T / s``; without, by ``(1/s - 1)`` times that step's
+measured compute (on a CPU shared by more workers than cores that compute shrinks when the others sleep, so the
+speeds drift: see the log page).
 
 - **Profiles** (:data:`PROFILES`): ``equal`` 1,1,1,1; ``half`` 1,1,1,0.5; ``graded`` 1,0.8,0.6,0.4; ``dip``: rank 3
   at 0.3 for ``--dip-steps`` of its own steps from ``--dip-from`` (the middle of the equal run).
@@ -15,7 +17,8 @@ system's exchange), so the system sees the slowness and takes its own trajectory
   seconds after the start to 2/3 of it, then 100 Mbit/s again (the parent re-shapes every host's link).
 - **Systems** (:func:`system_spec`): ``ddp``; ``diloco``: the pick of ``bagua/advise/picks.json`` for 4 hosts at
   the link (100 Mbit/s for ``drop``), ``hierarchical=False``; ``diloco_time``: the same with ``rounds="time"``;
-  ``diloco_async``: the same with ``asynchronous=True``. Extra ``:key=value`` settings append to a name.
+  ``diloco_async``: the same with ``asynchronous=True`` and ``compression="none"`` (it refuses a codec). Extra
+  ``:key=value`` settings append to a name.
 - **Time to target**: rank 0 saves the weights after every outer step (DDP: every 10 steps) with the time since the
   common start; this process evaluates them as they come (on ``--eval-samples`` validation windows, off the
   workers' clock) and stops the run at the first that reaches the target. Tokens to target: every worker's steps
@@ -46,7 +49,8 @@ DIP_RANK, DIP_SPEED = 3, 0.3
 #: link name -> (rate at the start, rate during the drop or None)
 LINKS = {"100mbit": ("100mbit", None), "10mbit": ("10mbit", None), "drop": ("100mbit", "10mbit")}
 _PICK_LINK = {"100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s", "drop": "100 Mbit/s"}
-_EXTRA = {"diloco": "", "diloco_time": ":rounds=time", "diloco_async": ":asynchronous=True"}
+#: asynchronous DiLoCo sends float32 pseudo-gradients point to point: it refuses a codec
+_EXTRA = {"diloco": "", "diloco_time": ":rounds=time", "diloco_async": ":asynchronous=True:compression=none"}
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -116,6 +120,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--dip-from", type=int, default=100, help="dip: rank 3's own step where 0.3 starts")
     p.add_argument("--dip-steps", type=int, default=100)
     p.add_argument("--drop-period", type=float, default=90.0, help="drop: the run length the drop is placed in")
+    p.add_argument("--step-s", type=float, default=0.0, help="0: pad by (1/s - 1) x the measured compute; T: pad "
+                                                               "every step to T / s (unequal_worker)")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=192)
     p.add_argument("--block", type=int, default=64)
@@ -140,7 +146,8 @@ def _worker_argv(args: argparse.Namespace, spec: str, profile: str, seed: int, r
     speeds = _speeds(args, profile)
     argv = ["--system", spec, "--speeds", ",".join(str(s) for s in speeds), "--max-steps", str(args.max_steps),
             "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--block", str(args.block),
-            "--batch-size", str(args.batch_size), "--seed", str(seed), "--dir", run_dir]
+            "--batch-size", str(args.batch_size), "--seed", str(seed), "--dir", run_dir,
+            "--step-s", str(args.step_s)]
     if profile == "dip":
         argv += ["--window", f"{DIP_RANK}:{DIP_SPEED}:{args.dip_from}:{args.dip_from + args.dip_steps}"]
     return argv
@@ -184,7 +191,8 @@ def run_one(cluster, args: argparse.Namespace, evaluator: _Evaluator, system: st
         cluster.shape(start_rate)
     run_dir = tempfile.mkdtemp(prefix="unequal-")
     row: dict = {"system": system, "spec": spec, "profile": profile, "speeds": _speeds(args, profile),
-                 "link": link, "seed": seed, "target": args.target, "hosts": args.hosts}
+                 "link": link, "seed": seed, "target": args.target, "hosts": args.hosts,
+                 "pad_rule": f"step {args.step_s} s / speed" if args.step_s else "(1/s - 1) x measured compute"}
     if profile == "dip":
         row["dip"] = {"rank": DIP_RANK, "speed": DIP_SPEED, "from": args.dip_from, "steps": args.dip_steps}
     procs, curve, hit = [], [], None
@@ -214,8 +222,9 @@ def run_one(cluster, args: argparse.Namespace, evaluator: _Evaluator, system: st
                 curve.append([snap["steps"], round(snap["time_s"], 3), round(loss, 4)])
                 if loss <= args.target and hit is None:
                     hit = snap
-            failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
-            done = all(p.poll() is not None for p in procs)
+            # a worker that ran its --max-steps ends the run (peers inside an exchange with it then fail)
+            done = any(p.poll() == 0 for p in procs)
+            failed = not done and any(p.poll() not in (None, 0) for p in procs)
             if hit is None and (failed or done or time.monotonic() - start > args.timeout):
                 row["status"] = ("failed" if failed else "not reached")
                 break
@@ -251,7 +260,8 @@ def run_one(cluster, args: argparse.Namespace, evaluator: _Evaluator, system: st
         row["status"] = "not reached"
     if row["status"] == "failed":
         row["error"] = open(os.path.join(run_dir, f"rank{failed_rank(procs)}.log")).read()[-1500:]
-    row["workers"] = [{k: v for k, v in w.items() if k != "timeline"} for w in workers]
+    row["workers"] = [{k: v for k, v in w.items() if k not in ("timeline", "rounds")} for w in workers]
+    row["rounds"] = workers[0].get("rounds") or None  # the system's per-round records, the same on every rank
     shutil.rmtree(run_dir, ignore_errors=True)
     return row
 

@@ -64,6 +64,11 @@ def summarize(rows: list[dict]) -> list[dict]:
             entry["worker_steps"] = mid["worker_steps_to_target"]
             entry["workers"] = [{k: w.get(k) for k in ("speed", "steps", "compute_s", "pad_s", "step_tail_s")}
                                 for w in mid["workers"]]
+            for i, w in enumerate(entry["workers"]):  # the system's own report, when it keeps one
+                rounds = mid.get("rounds") or []
+                if rounds:
+                    w.update(rounds=len(rounds), steps_per_round=sum(r[1][i] for r in rounds) / len(rounds),
+                             wait_s=sum(r[2][i] for r in rounds), exchange_s=sum(r[3][i] for r in rounds))
         table.append(entry)
     by = {(e["link"], e["profile"], e["system"]): e for e in table}
     for e in table:

@@ -3,18 +3,21 @@
 It trains the benchmark GPT (:mod:`benchmarks.common.gpt`, a size given on the command line) with a system of
 :func:`benchmarks.common.systems.make_system` and makes this worker slow as the profile says:
 
-- **Slowness.** A worker of speed ``s`` pads each inner step by ``(1/s - 1)`` times that step's own measured
-  compute: a forward pre-hook notes when the step's forward starts, and an optimizer step *pre*-hook (inside
-  ``optimizer.step()``, before the update and before the system's end-of-step exchange) measures forward +
-  backward and sleeps for the pad. The system under test therefore sees a slow step, measures it as it would a
-  slow device, and takes its own decisions (inner steps per round, order of arrivals). DDP's backward holds its
-  allreduce, so a DDP worker pads by ``(1/s - 1)`` times its median compute step measured on an unwrapped copy
-  before training instead.
+- **Slowness.** With ``--step-s T`` a worker of speed ``s`` pads each inner step to ``T / s`` (a device whose
+  step takes ``T``; on a CPU shared by more workers than cores a step's compute depends on what the others do,
+  so the measured rule below gives speeds that drift with contention). Without it, a worker of speed ``s`` pads
+  each inner step by ``(1/s - 1)`` times that step's own measured compute. Either way a forward pre-hook notes
+  when the step's forward starts, and an optimizer step *pre*-hook (inside ``optimizer.step()``, before the
+  update and before the system's end-of-step exchange) measures forward + backward and sleeps for the pad.
+  The system under test therefore sees a slow step, measures it as it would a slow device, and takes its own
+  decisions (inner steps per round, order of arrivals). DDP's backward holds its allreduce, so a DDP worker
+  takes its median compute step measured on an unwrapped copy before training as its compute instead.
 - **Progress.** After every outer step (a change of the DiLoCo driver's ``syncs``; for DDP every
   ``--snapshot-every`` steps) rank 0 saves the model's weights with the time since the common start
   (``snap<NNNNN>.pt``); the parent evaluates them, off the workers' clock, and creates ``stop`` when the target is
-  reached. Every worker writes ``rank<r>.json`` (its steps, tokens, compute, pad and end-of-step time, and a
-  timeline of ``[time, steps]``) after each outer step and when it stops.
+  reached. Every worker writes ``rank<r>.json`` (its steps, tokens, compute, pad and end-of-step time, a
+  timeline of ``[time, steps]``, and the driver's per-round records when it keeps them: ``[sync_every, steps,
+  wait s, exchange s]`` per round, one value per worker) after each outer step and when it stops.
 
 Example::
 
@@ -43,6 +46,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--speeds", required=True, help="speed per rank, e.g. 1,0.8,0.6,0.4")
     p.add_argument("--window", default=None, help="RANK:SPEED:FROM:TO: that rank runs at SPEED for its own "
                                                     "steps FROM <= step < TO (the temporary slowdown)")
+    p.add_argument("--step-s", type=float, default=0.0, help="0: pad by (1/s - 1) x the measured compute; T > 0: "
+                                                               "pad each step to T / s (a device of fixed step T)")
     p.add_argument("--max-steps", type=int, default=2000, help="a worker stops after this many of its own steps")
     p.add_argument("--snapshot-every", type=int, default=10, help="DDP: steps between saved weights")
     p.add_argument("--n-layer", type=int, default=6)
@@ -71,15 +76,18 @@ def speed_at(rank: int, step: int, speeds: Sequence[float], window: Optional[str
     return speeds[rank]
 
 
-def pad_seconds(compute_s: float, speed: float) -> float:
-    """The sleep that makes a step of ``compute_s`` seconds take ``compute_s / speed``.
+def pad_seconds(compute_s: float, speed: float, step_s: float = 0.0) -> float:
+    """The sleep that makes a step of ``compute_s`` seconds take ``compute_s / speed``; with ``step_s > 0``, the
+    sleep that makes it take ``step_s / speed`` (none when the compute alone takes longer).
 
     Example:
-        >>> round(pad_seconds(0.2, 0.5), 6), pad_seconds(0.2, 1.0)
-        (0.2, 0.0)
+        >>> round(pad_seconds(0.2, 0.5), 6), pad_seconds(0.2, 1.0), round(pad_seconds(0.3, 0.5, 0.4), 6)
+        (0.2, 0.0, 0.5)
     """
     if not 0 < speed <= 1:
         raise ValueError(f"a speed must be in (0, 1], got {speed}")
+    if step_s > 0:
+        return max(0.0, step_s / speed - compute_s)
     return compute_s * (1.0 / speed - 1.0)
 
 
@@ -126,7 +134,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                                            [stream.batch(i) for i in range(4)], 3)
     system = make_system(args.system, model, "adam", args.lr, 2)
     inner = getattr(system.model, "module", system.model)
-    state = {"fwd": 0.0, "step": 0, "compute": 0.0, "pad": 0.0, "tail": 0.0, "pre_end": 0.0}
+    state = {"fwd": 0.0, "step": 0, "compute": 0.0, "pad": 0.0, "tail": 0.0, "pre_end": 0.0, "overruns": 0}
 
     def forward_pre(module, inputs) -> None:
         state["fwd"] = time.perf_counter()
@@ -135,7 +143,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         now = time.perf_counter()
         compute = ddp_compute if is_ddp else now - state["fwd"]
         state["compute"] += now - state["fwd"]
-        pad = pad_seconds(compute, speed_at(rank, state["step"], speeds, args.window))
+        pad = pad_seconds(compute, speed_at(rank, state["step"], speeds, args.window), args.step_s)
+        state["overruns"] += args.step_s > 0 and compute > args.step_s  # the compute alone exceeded the step
         if pad > 0:
             time.sleep(pad)
         state["pad"] += pad
@@ -148,10 +157,16 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     stop_path = os.path.join(args.dir, "stop")
     timeline: list[list[float]] = []
 
+    driver = getattr(getattr(getattr(system.model, "bagua_ddp", None), "impl", None), "driver", None)
+
     def write_stats(reason: str) -> None:
-        result = {"rank": rank, "speed": speeds[rank], "steps": state["step"],
+        records = getattr(driver, "records", None) or []  # the system's own per-round report (rounds="time")
+        result = {"rounds": [[r.sync_every, r.steps, [round(w, 4) for w in r.wait_s],
+                              [round(e, 4) for e in r.exchange_s]] for r in records],
+                  "rank": rank, "speed": speeds[rank], "steps": state["step"],
                   "tokens": state["step"] * tokens_per_step, "compute_s": state["compute"], "pad_s": state["pad"],
-                  "step_tail_s": state["tail"], "syncs": syncs() if syncs else None, "timeline": timeline,
+                  "step_tail_s": state["tail"], "overruns": state["overruns"],
+                  "syncs": syncs() if syncs else None, "timeline": timeline,
                   "ddp_compute_s": ddp_compute, "reason": reason, "notes": system.notes}
         _save_atomic(os.path.join(args.dir, f"rank{rank}.json"), lambda p: json.dump(result, open(p, "w")))
 

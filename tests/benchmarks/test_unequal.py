@@ -23,6 +23,10 @@ def test_speed_follows_the_profile_and_the_window():
 def test_pad_makes_a_step_take_compute_over_speed():
     for compute, speed in ((0.2, 1.0), (0.2, 0.5), (0.3, 0.4), (0.1, 0.3)):
         assert compute + unequal_worker.pad_seconds(compute, speed) == pytest.approx(compute / speed)
+    # a device of fixed step T: every step takes T / s, whatever the compute took (none when it took longer)
+    for compute, speed in ((0.3, 1.0), (0.3, 0.5), (0.1, 0.4)):
+        assert compute + unequal_worker.pad_seconds(compute, speed, 0.4) == pytest.approx(0.4 / speed)
+    assert unequal_worker.pad_seconds(0.5, 1.0, 0.4) == 0.0
     with pytest.raises(ValueError, match="speed"):
         unequal_worker.pad_seconds(0.1, 0.0)
 
