@@ -20,8 +20,9 @@ speeds drift: see the log page).
   ``diloco_async``: the same with ``asynchronous=True`` and ``compression="none"`` (it refuses a codec). Extra
   ``:key=value`` settings append to a name.
 - **Time to target**: rank 0 saves the weights after every outer step (DDP: every 10 steps) with the time since the
-  common start; this process evaluates them as they come (on ``--eval-samples`` validation windows, off the
-  workers' clock) and stops the run at the first that reaches the target. Tokens to target: every worker's steps
+  common start; this process evaluates the newest (on a quarter of the ``--eval-samples`` validation windows, then
+  on all of them when within 0.05 of the target; off the workers' clock), stops the run when it reaches the
+  target, and walks back through the snapshots it skipped to the first that did (:func:`_first_hit`). Tokens to target: every worker's steps
   done by then (its own timeline) x its tokens per step.
 
 Rows go to ``<out-dir>/<name>.json`` as each run ends; :mod:`benchmarks.to_target.unequal_report` tabulates them
@@ -169,14 +170,38 @@ class _Evaluator:
         _, val = load_text(1 << 16, 1 << 20)
         self.x, self.y = validation_windows(val, args.eval_samples, args.block)
 
-    def loss(self, path: str) -> tuple[float, dict]:
+    def loss(self, path: str, screen: bool = False) -> tuple[float, dict]:
+        """The loss of the weights in ``path`` on every window, or (``screen``) on a quarter of them."""
         from benchmarks.common.gpt import lm_loss
 
         snap = self.torch.load(path)
         self.model.load_state_dict(snap["weights"])
         self.model.eval()
+        x, y = (self.x[::4], self.y[::4]) if screen else (self.x, self.y)
         with self.torch.no_grad():
-            return float(lm_loss(self.model(self.x), self.y)), snap
+            return float(lm_loss(self.model(x), y)), snap
+
+
+#: a snapshot whose screened loss is within this of the target gets the full evaluation
+SCREEN_MARGIN = 0.05
+
+
+def _first_hit(evaluator: _Evaluator, paths: list[str], target: float, curve: list) -> Optional[dict]:
+    """Evaluate the newest snapshot (screened first, so the evaluation keeps pace with the workers); when it reached
+    the target, walk back through the snapshots skipped before it to the first that did. Evaluated points go to
+    ``curve`` as ``[steps, time s, loss]``; returns the first snapshot that reached the target, or ``None``."""
+    screened, snap = evaluator.loss(paths[-1], screen=True)
+    if screened > target + SCREEN_MARGIN:
+        curve.append([snap["steps"], round(snap["time_s"], 3), None, round(screened, 4)])
+        return None
+    hit = None
+    for path in reversed(paths):
+        loss, snap = evaluator.loss(path)
+        curve.append([snap["steps"], round(snap["time_s"], 3), round(loss, 4)])
+        if loss > target:
+            break
+        hit = snap
+    return hit
 
 
 def run_one(cluster, args: argparse.Namespace, evaluator: _Evaluator, system: str, profile: str, link: str,
@@ -204,7 +229,7 @@ def run_one(cluster, args: argparse.Namespace, evaluator: _Evaluator, system: st
                                          *_worker_argv(args, spec, profile, seed, run_dir)]
             log = open(os.path.join(run_dir, f"rank{host.index}.log"), "w")
             procs.append(netns.popen(argv, _child_env(host, cluster.hosts[0], port, args.hosts), log, log))
-        seen, t0, phase = set(), None, 0
+        seen, pending, t0, phase = set(), [], None, 0
         while hit is None:
             if t0 is None and os.path.exists(os.path.join(run_dir, "start")):
                 t0 = float(open(os.path.join(run_dir, "start")).read())
@@ -216,12 +241,12 @@ def run_one(cluster, args: argparse.Namespace, evaluator: _Evaluator, system: st
                 elif phase == 1 and elapsed >= 2 * args.drop_period / 3:
                     cluster.shape(start_rate)
                     phase, row["recover_at_s"] = 2, elapsed
-            for path in sorted(set(glob.glob(os.path.join(run_dir, "snap*.pt"))) - seen):
-                seen.add(path)
-                loss, snap = evaluator.loss(path)
-                curve.append([snap["steps"], round(snap["time_s"], 3), round(loss, 4)])
-                if loss <= args.target and hit is None:
-                    hit = snap
+            new = sorted(set(glob.glob(os.path.join(run_dir, "snap*.pt"))) - seen)
+            if new:
+                pending += new
+                seen.update(new)
+                hit = _first_hit(evaluator, pending, args.target, curve)
+                pending = [] if hit is None else pending
             # a worker that ran its --max-steps ends the run (peers inside an exchange with it then fail)
             done = any(p.poll() == 0 for p in procs)
             failed = not done and any(p.poll() not in (None, 0) for p in procs)
