@@ -73,7 +73,8 @@ def _eval(model: torch.nn.Module, data: _Data) -> float:
 
 def simulate(speeds: list[float], mode: str, seed: int, H: int, budget: float, lr: float, momentum: float,
              warmup: int) -> float:
-    """Eval loss at simulated time ``budget`` for ``mode`` (``"sync"`` or one of ``REMEDIES``)."""
+    """Eval loss at simulated time ``budget`` for ``mode``: ``"sync"``, or one of ``REMEDIES``, optionally with
+    ``"+dylu"`` (each worker's rounds ``round(H * speed / fastest)`` steps)."""
     n = len(speeds)
     data = _Data(seed, n)
     models = [_model(seed) for _ in range(n)]
@@ -104,24 +105,27 @@ def simulate(speeds: list[float], mode: str, seed: int, H: int, budget: float, l
             now += H / min(speeds)
             k += 1
     else:
-        outer = AsyncOuter(global_, n, lr, momentum, True, warmup, remedy=mode)
+        remedy, _, dylu = mode.partition("+")
+        # "+dylu": Async Local-SGD's dynamic local updates, each worker's H proportional to its speed
+        steps = [max(1, round(H * s / max(speeds))) if dylu else H for s in speeds]
+        outer = AsyncOuter(global_, n, lr, momentum, True, warmup, remedy=remedy)
         bases = [0] * n
-        events = [(H / speeds[w], w) for w in range(n)]
+        events = [(steps[w] / speeds[w], w) for w in range(n)]
         heapq.heapify(events)
         starts = {w: global_.clone() for w in range(n)}
         while events and events[0][0] <= budget:
             now, w = heapq.heappop(events)
             start = starts[w]
             _load(models[w], start)
-            for _ in range(H):
+            for _ in range(steps[w]):
                 x, y = data.batch(w)
                 inner[w].zero_grad()
                 torch.nn.functional.cross_entropy(models[w](x), y).backward()
                 inner[w].step()
-            outer.apply(w, H, bases[w], start - _flat(models[w]))
+            outer.apply(w, steps[w], bases[w], start - _flat(models[w]))
             bases[w] = outer.version
             starts[w] = global_.clone()
-            heapq.heappush(events, (now + H / speeds[w], w))
+            heapq.heappush(events, (now + steps[w] / speeds[w], w))
     final = _model(seed)
     _load(final, global_)
     return _eval(final, data)
@@ -140,7 +144,7 @@ def main() -> None:
     for oname, (lr, m, warm) in outers.items():
         for pname, speeds in profiles.items():
             row = []
-            for mode in ("sync",) + REMEDIES:
+            for mode in ("sync",) + REMEDIES + ("delayed_nesterov+dylu",):
                 losses = [simulate(speeds, mode, s, args.sync_every, args.budget, lr, m, warm) for s in args.seeds]
                 row.append(f"{mode}={statistics.mean(losses):.4f}±{statistics.pstdev(losses):.4f}")
             print(f"{oname:16s} speeds {pname:14s} " + "  ".join(row), flush=True)

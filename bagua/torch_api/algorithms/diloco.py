@@ -218,7 +218,6 @@ def _check_asynchronous(hyper: "DiLoCoSettings") -> None:
     needs = {
         "fragments": (hyper.fragments, 1, "the server applies a worker's whole pseudo-gradient at once"),
         "overlap_steps": (hyper.overlap_steps, 0, "a worker waits only for the server's answer, never for the others"),
-        "compression": (hyper.compression, "none", "the pseudo-gradients travel point to point in float32"),
         "outer_optimizer": (hyper.outer_optimizer, None, "the server applies its own outer step (outer_lr, "
                             "outer_momentum, nesterov: see bagua.torch_api.ops.diloco_async_outer)"),
         "rounds": (getattr(hyper, "rounds", "steps"), "steps", "rounds by time make the workers meet; asynchronous "
@@ -383,9 +382,10 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
             applied when it arrives (by a server thread on rank 0, token-weighted, with delayed Nesterov against
             staleness) and the worker goes on from the newest global weights without waiting for the others
             (:mod:`bagua.torch_api.ops.diloco_async`). Call ``model.bagua_ddp.close()`` (``DiLoCoOptimizer.close()``)
-            on every rank when training ends: all then hold the same final global weights. Needs ``fragments=1``,
-            ``overlap_steps=0``, ``compression="none"``, the default outer optimizer and no ``fault_tolerance``; a
-            checkpoint does not hold the server's state (yet). Default ``False``.
+            on every rank when training ends: all then hold the same final global weights. A ``compression``
+            codec compresses both directions (error feedback up, the server's mirror of each worker's copy down).
+            Needs ``fragments=1``, ``overlap_steps=0``, the default outer optimizer and no ``fault_tolerance``; it
+            checkpoints only after ``close()`` (yet). Default ``False``.
         rounds: ``"steps"`` (default: every worker takes ``sync_every`` inner steps per round) or ``"time"``
             (workers of different speeds: each round, the fastest worker takes ``sync_every`` steps and a slower
             one ``round(sync_every * t_fastest / t_own)``, from the compute seconds per step each measured last

@@ -34,9 +34,11 @@ Momentum moved on every arrival (``"none"``, naive asynchronous SGD) applies a s
 round; delaying it wins in both unequal profiles. Scaling by staleness lost there, but won with DiLoCo's published
 step (lr 0.7, Nesterov 0.9: 0.311 against 0.423 at speeds 1, 0.5; 0.489 against 0.679 at 1, 0.8, 0.6, 0.4), where
 every asynchronous variant lost to the synchronous run (0.24-0.29) and naive momentum diverged (1.9-3.3): keep the
-``"auto"`` outer step with ``asynchronous=True``. With equal speeds asynchronous DiLoCo is a little worse than
-synchronous (0.272 against 0.253: a worker restarts from weights that hold only part of the round): use it for
-unequal or changing speeds.
+``"auto"`` outer step with ``asynchronous=True``. Async Local-SGD's other fix, dynamic local updates (a worker's
+``H`` proportional to its speed, ``+dylu`` in the script), did not pay here (0.325 against 0.305 at speeds 1, 0.5;
+0.412 against 0.423 at 1, 0.8, 0.6, 0.4, within the seeds' spread), so every worker takes ``sync_every`` steps.
+With equal speeds asynchronous DiLoCo is a little worse than synchronous (0.272 against 0.253: a worker restarts
+from weights that hold only part of the round): use it for unequal or changing speeds.
 
 Example:
     >>> g = torch.zeros(2)

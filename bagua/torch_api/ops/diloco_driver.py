@@ -211,7 +211,7 @@ class DiLoCoDriver(FaultRounds, PacedRounds):
                     self._finish(fragment)
             for p in pace.due(step) if pace.active else due_fragments(step, H, self._offsets):
                 if self.asynchronous is not None:  # applied when it arrives; go on from the newest weights
-                    self.asynchronous.exchange(self.fragments[p], step)
+                    self.asynchronous.exchange(self.fragments[p], self.pace.take_samples(p))
                     self.syncs += 1
                     continue
                 if not self._start(self.fragments[p], step + tau):
@@ -306,6 +306,8 @@ class DiLoCoDriver(FaultRounds, PacedRounds):
     def state_dict(self, counters: Sequence[str] = ("steps", "processed")) -> dict[str, torch.Tensor]:
         """The ``counters`` named (``"steps"``, ``"processed"``), then each fragment's global weights,
         outer-optimizer tensors, residuals and an exchange in flight (waited for)."""
+        if self.asynchronous is not None:  # refused mid-run: no consistent cut of an asynchronous run (yet)
+            self.asynchronous.check_checkpoint()
         state = {name: torch.tensor(getattr(self, name)) for name in counters}
         state.update(self.pace.state_dict())  # the round's position (rounds by time, the link rule)
         for fragment in self.fragments:
