@@ -5,6 +5,8 @@ average (the quorum closed, the peers already in the allreduce), ``--die serve``
 state to a joiner; ``--stall S`` SIGSTOPs it before step S (the test sends SIGCONT). At the end it saves its
 global weights, weights, counters and statistics to ``--out``. ``--api algorithm`` trains through ``with_bagua`` and
 ``DiLoCoAlgorithm(fault_tolerance=...)`` (a single-process Bagua job per worker) instead of ``DiLoCoOptimizer``.
+``--poison nan`` / ``--poison x1e6`` makes every pseudo-gradient it contributes NaN / a million times its own (a
+bad worker); the job's secret, if any, comes from the environment (``BAGUA_JOB_SECRET_FILE``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,20 @@ def die_at_average(n: int) -> None:
     FaultTolerance.allgather = dying(FaultTolerance.allgather)
 
 
+def poison(kind: str) -> None:
+    """Make every pseudo-gradient this worker contributes NaN (``"nan"``) or a million times its own
+    (``"x1e6"``)."""
+    from bagua.torch_api.ops.diloco import Fragment
+
+    honest = Fragment.pseudo_gradient
+
+    def bad(self):
+        delta = honest(self)
+        return delta.fill_(float("nan")) if kind == "nan" else delta.mul_(1e6)
+
+    Fragment.pseudo_gradient = bad
+
+
 def main() -> None:
     ap = worker_parser()
     ap.add_argument("--fragments", type=int, default=1)
@@ -65,7 +81,11 @@ def main() -> None:
     ap.add_argument("--api", choices=["optimizer", "algorithm"], default="optimizer")
     ap.add_argument("--compression", default="none")
     ap.add_argument("--outer", default="auto", help='"auto", or "LR,MOMENTUM" (no warm-up)')
+    ap.add_argument("--poison", choices=["", "nan", "x1e6"], default="")
+    ap.add_argument("--timeout-s", type=float, default=60.0)
     args = ap.parse_args()
+    if args.poison:
+        poison(args.poison)
     outer = {} if args.outer == "auto" else dict(zip(("outer_lr", "outer_momentum"), map(float, args.outer.split(","))))
 
     from bagua.torch_api.contrib.diloco_optimizer import DiLoCoOptimizer
@@ -79,7 +99,7 @@ def main() -> None:
 
     ft = FaultTolerance(args.coordinator, worker=f"w{args.index}", workers=args.workers,
                         min_quorum=args.min_quorum, deadline_s=None, exchange_timeout_s=5.0, heartbeat_s=0.2,
-                        stale_s=1.5, timeout_s=60.0)
+                        stale_s=1.5, timeout_s=args.timeout_s)
     model = make_model(args.index)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
     if args.api == "algorithm":
@@ -117,7 +137,8 @@ def main() -> None:
         "residuals": {f.index: f.workspace.residual.clone() for f in d.fragments
                       if getattr(f.workspace, "residual", None) is not None},
         "stats": {"rounds": ft.rounds, "retries": ft.retries, "heals": ft.heals, "served": ft.served,
-                  "left_out": ft.left_out, "members": ft.members},
+                  "left_out": ft.left_out, "members": ft.members, "dropped": ft.dropped,
+                  "refused": ft.quorums.records.refused},
     }, args.out)
     ft.close()
 

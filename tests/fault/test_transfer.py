@@ -158,3 +158,26 @@ def test_sender_killed_mid_transfer_gives_an_error_not_a_hang(tmp_path, how):
     message = json.loads((tmp_path / "rank1.json").read_text())["message"]
     assert message.startswith("raised: receive_state from rank 0: rank 1 got no answer from rank 0"), message
     assert "BAGUA_COMM_TIMEOUT_S=5" in message, message
+
+
+def _worker_keyed(rank, world_size, sender_key, receiver_key):
+    from bagua.torch_api.fault import heal_group, receive_state, send_state
+
+    group = heal_group()
+    try:
+        if rank == 0:
+            return send_state(_mixed_state(), dst=1, group=group, bucket_bytes=1000, key=sender_key)
+        return receive_state(src=0, group=group, key=receiver_key)
+    except (RuntimeError, ValueError) as exc:
+        return str(exc)
+
+
+def test_a_state_signed_under_another_key_is_refused():
+    """With a job secret the digest is an HMAC: the same key passes bit for bit, another key (or none) is refused
+    on both ranks and nothing is returned."""
+    sent, got = run_workers(_worker_keyed, 2, b"k" * 32, b"k" * 32, timeout=120)
+    assert isinstance(got, dict) and all(torch.equal(got[n], t) for n, t in _mixed_state().items())
+    for sender_key, receiver_key in ((b"k" * 32, b"x" * 32), (None, b"k" * 32)):
+        sent, got = run_workers(_worker_keyed, 2, sender_key, receiver_key, timeout=120)
+        assert "HMAC of the" in got and "nothing was loaded" in got, got
+        assert "SHA-256 of what it received differs" in sent, sent

@@ -9,7 +9,10 @@
 - :mod:`~bagua.torch_api.fault.transfer`: stream a flat dict of tensors between two ranks (a JSON manifest, the
   bytes in buckets, a SHA-256; never unpickled; every wait bounded by ``BAGUA_COMM_TIMEOUT_S``);
 - :mod:`~bagua.torch_api.fault.heal`: a state and an optimizer's over that wire, sent by a live peer and taken by
-  a joiner through the algorithm's ``heal_state_dict`` / ``load_heal_state_dict``.
+  a joiner through the algorithm's ``heal_state_dict`` / ``load_heal_state_dict``;
+- :mod:`~bagua.torch_api.fault.secret`: the job secret (only the job's workers take part; every record read from
+  the store sealed with HMAC-SHA256) and :mod:`~bagua.torch_api.fault.screen`: one bad worker's contribution left
+  out of a round (not finite, or far too large) and its sample claims bounded.
 
 Nothing here knows an algorithm: DiLoCo (:class:`~bagua.torch_api.ops.diloco_driver.DiLoCoDriver`) calls it.
 See docs/fault_tolerance.md.
@@ -27,10 +30,11 @@ from bagua.torch_api.fault.heal import (
 from bagua.torch_api.fault.quorum import CoordinatorLost, JobEnded
 from bagua.torch_api.fault.records import Member, Quorum, Round
 from bagua.torch_api.fault.replica import FaultTolerance, SettingsDiffer
+from bagua.torch_api.fault.secret import NotAdmitted, new_secret
 from bagua.torch_api.fault.transfer import DEFAULT_BUCKET_BYTES, heal_group, receive_state, send_state
 
 __all__ = [
-    "FaultTolerance", "SettingsDiffer", "CoordinatorLost", "JobEnded", "Member", "Quorum", "Round", "DEFAULT_BUCKET_BYTES",
+    "FaultTolerance", "SettingsDiffer", "CoordinatorLost", "JobEnded", "NotAdmitted", "new_secret", "Member", "Quorum", "Round", "DEFAULT_BUCKET_BYTES",
     "TAKE_INNER_STATE", "heal_group", "send_state", "receive_state", "serve_state", "heal_state",
     "load_inner_state", "serve_driver", "heal_driver", "driver_heal_state", "flatten_optimizer_state",
     "unflatten_optimizer_state",

@@ -11,6 +11,13 @@ it dies, every worker's next store call fails and raises an error naming it; the
 restart the coordinator and then the workers, which start from their checkpoints (the coordinator has no
 failover).
 
+Give the job a secret (only its workers take part; see :mod:`~bagua.torch_api.fault.secret`): create it once,
+then hand the file to every worker (``BAGUA_JOB_SECRET_FILE=PATH`` or ``FaultTolerance(..., secret_file=PATH)``)::
+
+    python -m bagua.torch_api.fault.coordinator --new-secret /path/job.secret
+
+The coordinator itself needs no secret: it stores what the workers seal, and each worker checks what it reads.
+
 Example:
     >>> proc = start_coordinator("127.0.0.1", 29600)  # a child process; proc.terminate() stops it  # doctest: +SKIP
 """
@@ -28,6 +35,8 @@ import threading
 from typing import Optional
 
 import torch.distributed as dist
+
+from bagua.torch_api.fault.secret import new_secret
 
 __all__ = ["serve", "start_coordinator", "main"]
 
@@ -76,11 +85,24 @@ def start_coordinator(host: str, port: int, timeout_s: float = 30.0) -> subproce
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``python -m bagua.torch_api.fault.coordinator --host H --port P``."""
+    """``python -m bagua.torch_api.fault.coordinator --host H --port P``, or ``--new-secret PATH``."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--host", required=True, help="the address the workers reach (bound to it alone)")
+    parser.add_argument("--host", help="the address the workers reach (bound to it alone)")
     parser.add_argument("--port", type=int, default=29600)
+    parser.add_argument("--new-secret", metavar="PATH",
+                        help="write a new job secret to PATH (a new file, mode 0600) and exit; give it to every "
+                             "worker with BAGUA_JOB_SECRET_FILE=PATH")
     args = parser.parse_args(argv)
+    if args.new_secret:
+        try:
+            new_secret(args.new_secret)
+        except FileExistsError:
+            parser.error(f"{args.new_secret} exists; a secret is never overwritten: remove it, or pick another path")
+        print(f"wrote a new job secret to {args.new_secret} (mode 0600); start every worker with "
+              f"BAGUA_JOB_SECRET_FILE={args.new_secret}", flush=True)
+        return
+    if not args.host:
+        parser.error("--host is required (the address the workers reach), e.g. --host 10.0.0.1")
     serve(args.host, args.port)
 
 

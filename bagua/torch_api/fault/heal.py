@@ -114,21 +114,25 @@ def unflatten_optimizer_state(flat: dict[str, torch.Tensor], prefix: str = INNER
 
 
 def serve_state(state: dict[str, torch.Tensor], dst: int, group: Any = None,
-                optimizer: Optional[torch.optim.Optimizer] = None, inner_state: bool = TAKE_INNER_STATE) -> int:
+                optimizer: Optional[torch.optim.Optimizer] = None, inner_state: bool = TAKE_INNER_STATE,
+                key: Optional[bytes] = None) -> int:
     """Send ``state`` (the algorithm's heal state) and ``optimizer``'s (``param_groups``, and its state tensors with
-    ``inner_state``) to the joining global rank ``dst``, which calls :func:`heal_state`; return the bytes sent."""
+    ``inner_state``) to the joining global rank ``dst``, which calls :func:`heal_state`; return the bytes sent.
+    ``key``: sign it (HMAC-SHA256, see :func:`~bagua.torch_api.fault.transfer.send_state`)."""
     state = dict(state)
     if optimizer is not None:
         inner = optimizer.state_dict()
         state.update(flatten_optimizer_state({"state": _local(inner["state"]) if inner_state else {},
                                               "param_groups": inner["param_groups"]}))
-    return send_state(state, dst, group)
+    return send_state(state, dst, group, key=key)
 
 
-def heal_state(src: int, group: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Receive what :func:`serve_state` sent from global rank ``src`` (checksummed: nothing is returned unless it
-    is whole); return the algorithm's state and the inner optimizer's part (empty when none travelled)."""
-    state = receive_state(src, group)
+def heal_state(src: int, group: Any = None, key: Optional[bytes] = None
+               ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Receive what :func:`serve_state` sent from global rank ``src`` (checksummed, or signed under ``key``:
+    nothing is returned unless it is whole); return the algorithm's state and the inner optimizer's part (empty
+    when none travelled)."""
+    state = receive_state(src, group, key=key)
     inner = {k: v for k, v in state.items() if k.startswith(INNER_PREFIX)}
     return {k: v for k, v in state.items() if not k.startswith(INNER_PREFIX)}, inner
 

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["Member", "Quorum", "Round"]
+__all__ = ["Member", "Quorum", "Round", "roles"]
 
 
 @dataclass(frozen=True)
@@ -110,3 +110,15 @@ class Round:
     def equal_weights(self) -> bool:
         """Whether every member weighs the same (the average is then a plain mean)."""
         return all(w == self.weights[0] for w in self.weights)
+
+
+def roles(quorum: Quorum) -> tuple[list[Member], list[Member], int]:
+    """The members who heal, those who serve (the sources), and the part the round synchronizes (-1: none)."""
+    members = list(quorum.members)
+    if quorum.first:
+        return members[1:], members[:1], -1
+    current = [m for m in members if not m.joining]
+    top = max(m.round for m in current)
+    sources = [m for m in current if m.round == top]
+    healed = [m for m in members if m not in sources]
+    return healed, sources, sources[0].part

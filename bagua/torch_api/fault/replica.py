@@ -12,7 +12,9 @@ registers its state callbacks once (:meth:`FaultTolerance.register`), then runs 
    callbacks (:mod:`~bagua.torch_api.fault.heal`: checksummed, never unpickled). It returns a typed
    :class:`~bagua.torch_api.fault.records.Round`;
 2. :meth:`FaultTolerance.allreduce` / :meth:`FaultTolerance.allgather` over exactly the members, weighted by the
-   samples each contributed (a healed member contributes zeros); an error is recorded, not raised;
+   samples each contributed (a healed member contributes zeros; each claim bounded, and a contribution that is not
+   finite or far too large left out and named: :mod:`~bagua.torch_api.fault.screen`); an error is recorded, not
+   raised;
 3. :meth:`FaultTolerance.should_commit`: the round's verdict. ``True``: every member holds the result, and the
    algorithm commits it (a healed member takes the round's outcome from it). ``False``: a peer died mid-way, and
    the survivors run the round again from what they held before it.
@@ -32,7 +34,6 @@ Example:
 
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import socket
@@ -42,17 +43,18 @@ from typing import Callable, Optional
 
 import torch
 
+from bagua.torch_api.fault.collectives import ROUND_ERRORS, MemberCollectives
 from bagua.torch_api.fault.group import MemberGroup
 from bagua.torch_api.fault.heal import TAKE_INNER_STATE, heal_state, load_inner_state, serve_state
 from bagua.torch_api.fault.quorum import Excluded, Quorums
 from bagua.torch_api.fault.ranks import WorkerRanks
-from bagua.torch_api.fault.records import Member, Quorum, Round
+from bagua.torch_api.fault.records import Member, Quorum, Round, roles
+from bagua.torch_api.fault.screen import MAX_NORM_RATIO, MAX_SAMPLE_RATIO, bound_samples
+from bagua.torch_api.fault.secret import derive, load_secret
 
 __all__ = ["FaultTolerance", "SettingsDiffer"]
 
 _log = logging.getLogger(__name__)
-#: what a round's collectives and transfers raise when a peer dies or stalls: recorded, and the round retried
-ROUND_ERRORS = (RuntimeError, ValueError, TimeoutError, OSError)
 
 StateDict = Callable[[], dict[str, torch.Tensor]]
 LoadStateDict = Callable[[dict[str, torch.Tensor]], None]
@@ -70,19 +72,7 @@ class SettingsDiffer(ValueError):
     """The members of a round run the algorithm with different settings: the job cannot go on (never retried)."""
 
 
-def roles(quorum: Quorum) -> tuple[list[Member], list[Member], int]:
-    """The members who heal, those who serve (the sources), and the part the round synchronizes (-1: none)."""
-    members = list(quorum.members)
-    if quorum.first:
-        return members[1:], members[:1], -1
-    current = [m for m in members if not m.joining]
-    top = max(m.round for m in current)
-    sources = [m for m in current if m.round == top]
-    healed = [m for m in members if m not in sources]
-    return healed, sources, sources[0].part
-
-
-class FaultTolerance:
+class FaultTolerance(MemberCollectives):
     """A communicator over whichever workers are alive (see the module docstring).
 
     Args:
@@ -104,24 +94,37 @@ class FaultTolerance:
         hostname: the address the worker's gloo groups bind to (default: this machine's address on the route to
             the coordinator).
         prefix: the job's keys in the coordinator's store (several jobs may share one).
+        secret_file: the job's secret (``python -m bagua.torch_api.fault.coordinator --new-secret PATH``); default:
+            the file ``BAGUA_JOB_SECRET_FILE`` names, else ``BAGUA_JOB_SECRET``, else none (an open job, warned).
+        max_workers: the most distinct worker ids the job admits (default ``workers``).
+        max_norm_ratio, max_sample_ratio: a contribution above ``max_norm_ratio`` times the round's median norm is
+            left out (3+ sources; ``None``: only NaN/Inf ones), and a member's samples count at most
+            ``max_sample_ratio`` times the median of the others' (``None``: unbounded); see
+            :mod:`~bagua.torch_api.fault.screen`.
 
     Attributes: ``members`` (the last round's), ``rounds``, ``retries``, ``heals`` (times this worker healed from
     a live peer; the job's first round, where every worker takes the first one's state, is the start, not a heal),
     ``served`` (times it sent its state to another, that first round included), ``left_out`` (times it found a
-    round closed without it), ``exchange_seconds``, ``heal_seconds`` (the time of each state it took).
+    round closed without it), ``exchange_seconds``, ``heal_seconds`` (the time of each state it took), ``dropped``
+    (``(quorum, worker, why)`` of each contribution left out of a collective here).
     """
 
     def __init__(self, coordinator: str, worker: str, workers: int, min_quorum: int = 1,
                  deadline_s: Optional[float] = None, constant_batch: bool = False,
                  exchange_timeout_s: Optional[float] = None, heartbeat_s: float = 0.5, stale_s: float = 3.0,
                  timeout_s: float = 300.0, inner_state: bool = TAKE_INNER_STATE, hostname: Optional[str] = None,
-                 prefix: str = "bagua-ft") -> None:
+                 prefix: str = "bagua-ft", secret_file: Optional[str] = None, max_workers: Optional[int] = None,
+                 max_norm_ratio: Optional[float] = MAX_NORM_RATIO,
+                 max_sample_ratio: Optional[float] = MAX_SAMPLE_RATIO) -> None:
         # user settings
         self.constant_batch = constant_batch
+        self.max_norm_ratio, self.max_sample_ratio = max_norm_ratio, max_sample_ratio
+        self._secret = load_secret(secret_file)
         self.exchange_timeout_s = exchange_timeout_s
         self.inner_state = inner_state
         self.quorums = Quorums(coordinator, worker, workers, min_quorum, deadline_s, heartbeat_s=heartbeat_s,
-                               stale_s=stale_s, timeout_s=timeout_s, prefix=prefix)
+                               stale_s=stale_s, timeout_s=timeout_s, prefix=prefix, secret=self._secret,
+                               max_workers=max_workers)
         self.hostname = hostname or _route_to(coordinator)
         #: a worker of several ranks (a sharded model): its ranks, set by :meth:`bind_ranks`; None: one process
         self.ranks: Optional[WorkerRanks] = None
@@ -144,6 +147,7 @@ class FaultTolerance:
         self.rounds = self.retries = self.heals = self.served = self.left_out = 0
         self.exchange_seconds: list[float] = []
         self.heal_seconds: list[float] = []
+        self.dropped: list[tuple[int, str, str]] = []
 
     @property
     def worker(self) -> str:
@@ -244,7 +248,12 @@ class FaultTolerance:
         rank = quorum.ids.index(self.worker)
         me_healed = self.worker in {m.id for m in healed}
         source_ids = {m.id for m in sources}
-        weights = tuple(m.samples if m.id in source_ids else 0 for m in quorum.members)
+        claimed = [m.samples if m.id in source_ids else 0 for m in quorum.members]
+        weights = tuple(bound_samples(claimed, self.max_sample_ratio))
+        for m, c, w in zip(quorum.members, claimed, weights):
+            if c != w:
+                _log.warning("worker %r claims %d samples in quorum %d; it counts as %d (at most %g times the "
+                             "median of the others')", m.id, c, quorum.key, w, self.max_sample_ratio)
         self._round = Round(quorum, rank, p, me_healed, weights)
         self._error = None
         self._started = time.monotonic()
@@ -255,10 +264,10 @@ class FaultTolerance:
                 src = sources[(i + quorum.key) % len(sources)].id
                 if src == self.worker:
                     serve_state(self._state_dict() if self._state_dict else {}, quorum.ids.index(m.id), group,
-                                self.optimizer, self.inner_state)
+                                self.optimizer, self.inner_state, key=self._heal_key(quorum, src, m.id))
                     self.served += 1
                 elif m.id == self.worker:
-                    state, inner = heal_state(quorum.ids.index(src), group)
+                    state, inner = heal_state(quorum.ids.index(src), group, key=self._heal_key(quorum, src, m.id))
                     if self._load_state_dict is not None:
                         self._load_state_dict(state)
                     load_inner_state(self.optimizer, inner)
@@ -266,6 +275,12 @@ class FaultTolerance:
         except ROUND_ERRORS as exc:
             self.fail(exc)
         return self._round
+
+    def _heal_key(self, quorum: Quorum, src: str, dst: str) -> Optional[bytes]:
+        """The key a healing transfer is signed with in a job with a secret: one per quorum, sender and receiver."""
+        if self._secret is None:
+            return None
+        return derive(self._secret, f"heal/{self.quorums.prefix}/{quorum.key}/{src}/{dst}")
 
     def _admitted(self) -> Quorum:
         """Wait, as a joiner, to be admitted to a round after the last one closed."""
@@ -275,44 +290,6 @@ class FaultTolerance:
         except Excluded:
             self.quorums.next_key = key + 1
             raise
-
-    @torch.no_grad()
-    def allreduce(self, tensor: torch.Tensor) -> None:
-        """Average ``tensor`` over the round's members in place, weighted by their samples (a plain mean, bit for
-        bit a float32 allreduce's, when the weights are equal); a healed member contributes zeros. An error is
-        recorded (see :meth:`should_commit`), not raised; after one, nothing is sent."""
-        r = self._round
-        if r is None or self._error is not None:
-            return
-        try:
-            buf = tensor if tensor.device.type == "cpu" else tensor.cpu()
-            timeout = datetime.timedelta(seconds=self._exchange_timeout())
-            if r.healed:
-                buf.zero_()
-            if r.equal_weights():
-                self._groups.group.allreduce([buf]).wait(timeout)
-                buf.div_(r.size)
-            else:
-                buf.mul_(r.weights[r.rank] / max(1, sum(r.weights)))
-                self._groups.group.allreduce([buf]).wait(timeout)
-            if buf is not tensor:
-                tensor.copy_(buf)
-        except ROUND_ERRORS as exc:
-            self.fail(exc)
-
-    def allgather(self, tensor: torch.Tensor) -> Optional[list[torch.Tensor]]:
-        """Every member's ``tensor`` (a CPU tensor of the same shape on every member), in member order; ``None``
-        after an error, which is recorded (see :meth:`should_commit`), not raised."""
-        r = self._round
-        if r is None or self._error is not None:
-            return None
-        try:
-            out = [torch.empty_like(tensor) for _ in range(r.size)]
-            self._groups.group.allgather([out], [tensor]).wait(datetime.timedelta(seconds=self._exchange_timeout()))
-            return out
-        except ROUND_ERRORS as exc:
-            self.fail(exc)
-            return None
 
     def fail(self, exc: BaseException) -> None:
         """Record that this worker's part of the round failed (its verdict will be ``retry``)."""

@@ -15,7 +15,9 @@ The manifest lists every tensor as ``[name, dtype, shape, byte offset]`` (offset
 tensor is a view of the payload of its own dtype) plus the payload's size and the bucket size. Nothing read from
 the peer is unpickled: the manifest is JSON, dtypes are looked up by name in a fixed table, and the payload is raw
 bytes viewed as tensors. The receiver returns its tensors only once the digest matched; a corrupt or partial state
-is never returned. Every wait is bounded by ``BAGUA_COMM_TIMEOUT_S``: a peer that dies or stalls mid-transfer
+is never returned. With ``key=`` (a job secret's key for this transfer, see
+:mod:`~bagua.torch_api.fault.secret`) the digest is HMAC-SHA256 under that key instead: a state that a process
+without the job's secret sent, or changed on the way, is refused. Every wait is bounded by ``BAGUA_COMM_TIMEOUT_S``: a peer that dies or stalls mid-transfer
 gives an error naming it, never a hang. After a failed transfer the group may hold unmatched messages: build a new
 one before the next transfer.
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import hmac
 import json
 from typing import Any, Callable, Optional
 
@@ -233,12 +236,17 @@ def _recv(t: torch.Tensor, src: int, group: Any, tag: int, what: str) -> torch.T
     return t
 
 
+def _digest(manifest: bytes, key: Optional[bytes]) -> Any:
+    """The running digest of a transfer: SHA-256, or HMAC-SHA256 under ``key`` (both 32 bytes)."""
+    return hmac.new(key, manifest, hashlib.sha256) if key is not None else hashlib.sha256(manifest)
+
+
 def _verdict(ok: bool, dst: int, group: Any, tag: int, what: str) -> None:
     _wait(_send(torch.tensor([int(ok)], dtype=torch.uint8), dst, group, tag), what, dst)
 
 
 def send_state(state: dict[str, torch.Tensor], dst: int, group: Any = None,
-               bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+               bucket_bytes: int = DEFAULT_BUCKET_BYTES, key: Optional[bytes] = None) -> int:
     """Send ``state`` (names to tensors of any dtype and device) to global rank ``dst``, which calls
     :func:`receive_state`; return the bytes sent. Raise ``RuntimeError`` when ``dst`` refused the state (its
     ``like=`` differs, or the digest did not match) or did not answer within ``BAGUA_COMM_TIMEOUT_S``.
@@ -248,6 +256,7 @@ def send_state(state: dict[str, torch.Tensor], dst: int, group: Any = None,
         dst: the receiver's global rank.
         group: the group to send on (default: the one :func:`heal_group` made).
         bucket_bytes: bytes per message of the payload.
+        key: sign the transfer with HMAC-SHA256 under this key (the receiver passes the same ``key``).
 
     Example:
         >>> send_state({"w": model.weight.detach()}, dst=1)  # doctest: +SKIP
@@ -256,7 +265,7 @@ def send_state(state: dict[str, torch.Tensor], dst: int, group: Any = None,
         raise ValueError(f"send_state(bucket_bytes={bucket_bytes}) must be positive, e.g. {DEFAULT_BUCKET_BYTES}")
     pg, what = _torch_group(group, "send_state"), f"send_state to rank {dst}"
     manifest, payload = pack(state, bucket_bytes)
-    digest = hashlib.sha256(manifest)
+    digest = _digest(manifest, key)
     _wait(_send(torch.tensor([len(manifest)], dtype=torch.int64), dst, pg, _TAG_LENGTH), what, dst)
     _wait(_send(torch.frombuffer(bytearray(manifest), dtype=torch.uint8), dst, pg, _TAG_MANIFEST), what, dst)
     if not _recv(torch.zeros(1, dtype=torch.uint8), dst, pg, _TAG_GO, what).item():
@@ -280,14 +289,15 @@ def send_state(state: dict[str, torch.Tensor], dst: int, group: Any = None,
     return len(manifest) + payload.numel()
 
 
-def receive_state(src: int, group: Any = None, like: Optional[dict[str, torch.Tensor]] = None
-                  ) -> dict[str, torch.Tensor]:
+def receive_state(src: int, group: Any = None, like: Optional[dict[str, torch.Tensor]] = None,
+                  key: Optional[bytes] = None) -> dict[str, torch.Tensor]:
     """Receive the state that global rank ``src`` sends with :func:`send_state`; return it once its SHA-256 matched.
 
     The tensors are fresh CPU tensors. With ``like`` (a dict of tensors), a state whose names,
     shapes or dtypes differ is refused before its payload travels: ``ValueError`` naming the first difference. A
     digest mismatch raises ``ValueError`` and returns nothing; a sender that dies or stalls, ``RuntimeError``
-    within ``BAGUA_COMM_TIMEOUT_S`` of its last message.
+    within ``BAGUA_COMM_TIMEOUT_S`` of its last message. With ``key``, the digest must be the sender's HMAC-SHA256
+    under that key.
 
     Example:
         >>> state = receive_state(src=0, like={"w": model.weight})  # doctest: +SKIP
@@ -306,7 +316,7 @@ def receive_state(src: int, group: Any = None, like: Optional[dict[str, torch.Te
         _verdict(False, src, pg, _TAG_GO, what)  # the sender stops too, instead of waiting for its timeout
         raise
     _verdict(True, src, pg, _TAG_GO, what)
-    digest = hashlib.sha256(raw)
+    digest = _digest(raw, key)
     payload = torch.empty(manifest["total_bytes"], dtype=torch.uint8)
     bucket_bytes = manifest["bucket_bytes"]
     starts = list(range(0, payload.numel(), bucket_bytes))
@@ -328,9 +338,10 @@ def receive_state(src: int, group: Any = None, like: Optional[dict[str, torch.Te
             view.copy_(wire)
         digest.update(view.numpy())
     expected = _recv(torch.zeros(32, dtype=torch.uint8), src, pg, _TAG_DIGEST, what).numpy().tobytes()
-    ok = expected == digest.digest()
+    ok = hmac.compare_digest(expected, digest.digest())
     _verdict(ok, src, pg, _TAG_DONE, what)
     if not ok:
-        raise ValueError(f"{what}: the SHA-256 of the {payload.numel()} bytes received does not match the sender's "
-                         "(corrupted on the way or at the sender); nothing was loaded, heal again")
+        raise ValueError(f"{what}: the {'HMAC' if key is not None else 'SHA-256'} of the {payload.numel()} bytes "
+                         "received does not match the sender's (corrupted on the way or at the sender, or sent "
+                         "without the job's secret); nothing was loaded, heal again")
     return unpack(manifest, payload)
