@@ -4,7 +4,8 @@ tests/fault/test_bad_workers.py starts three. Worker ``i`` contributes ``y(i, r)
 round ``r``; with ``--bad``, worker 2 contributes NaN in round 1, ``y * 1e6`` in round 2, its honest ``y`` in
 round 3, claims 10**9 samples (the others 2) in round 4, and NaN again in round 5, whose average goes through
 DiLoCo's compressed all-gather path (``OverMembers.compressed_average``, codec ``bf16``). Every round's result,
-weights and the contributions left out are saved to ``--out``.
+weights and the contributions left out are saved to ``--out``. With ``--robust HOW`` (a robust aggregation):
+two rounds, worker 2 sending ``-2 * y`` (a lie within the norm bound) in round 1 and NaN in round 2.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=3)
     ap.add_argument("--bad", action="store_true")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--robust", default=None)
     args = ap.parse_args()
 
     from bagua.torch_api.fault import FaultTolerance
@@ -34,18 +36,20 @@ def main() -> None:
 
     i, bad = args.index, args.bad and args.index == 2
     ft = FaultTolerance(args.coordinator, f"w{i}", workers=args.workers, heartbeat_s=0.1, stale_s=1.0,
-                        timeout_s=60.0, exchange_timeout_s=20.0, prefix="toy")
+                        timeout_s=60.0, exchange_timeout_s=20.0, prefix="toy", robust=args.robust)
     state = {"x": torch.zeros(1)}
     ft.register(lambda: dict(state), lambda s: state.update(s), settings="toy")
     ft.start_round(-1, -1)
     assert ft.should_commit()
     out = {}
-    for r in range(1, 6):
+    for r in range(1, 3 if args.robust else 6):
         if r == 4:
             ft.add_samples(10**9 if bad else 2)
         ft.count_step(1)
         t = y(i, r)
-        if bad and r in (1, 5):
+        if bad and args.robust:
+            t.mul_(-2.0) if r == 1 else t.fill_(float("nan"))
+        elif bad and r in (1, 5):
             t.fill_(float("nan"))
         elif bad and r == 2:
             t.mul_(1e6)

@@ -102,3 +102,20 @@ def test_diloco_goes_on_without_a_poisoning_worker(tmp_path):
         assert r["stats"]["rounds"] == 5 and r["stats"]["retries"] == 0  # the start and 4 exchanges, none retried
         assert {w for _, w, _ in r["stats"]["dropped"]} == {"w2"} and len(r["stats"]["dropped"]) == 4
         assert "worker 'w2' is left out of quorum" in r["log"]
+
+
+def test_a_robust_average_is_the_coordinate_wise_trimmed_mean_of_the_sources(coordinator, tmp_path):
+    """robust="trimmed_mean" (trim 1, 3 workers): a lie within the norm bound (-2 y) moves no coordinate past the
+    honest values; a NaN is left out first, and the trimmed mean of the two kept is their mean."""
+    secret = Path(new_secret(str(tmp_path / "job.secret")))
+    outs, logs = [tmp_path / f"w{i}.pt" for i in range(3)], [tmp_path / f"w{i}.log" for i in range(3)]
+    cmds = [[sys.executable, "-m", "tests.fault.ft_toy_worker", "--coordinator", coordinator, "--index", str(i),
+             "--bad", "--robust", "trimmed_mean", "--out", str(outs[i])] for i in range(3)]
+    assert _run(cmds, _env(secret), logs) == [0, 0, 0], [log.read_text()[-3000:] for log in logs]
+    sent = [y(0, 1).tolist(), y(1, 1).tolist(), (-2 * y(2, 1)).tolist()]
+    middle = torch.tensor([sorted(column)[1] for column in zip(*sent)])  # of 3 values, 1 dropped at each end
+    for r in (torch.load(o) for o in outs):
+        assert r[1]["ok"] and r[2]["ok"]
+        assert torch.equal(r[1]["y"], middle), (r[1]["y"], middle)
+        assert torch.equal(r[2]["y"], (y(0, 2) + y(1, 2)) / 2)
+        assert [(k, w) for k, w, _ in r["dropped"]] == [(3, "w2")]

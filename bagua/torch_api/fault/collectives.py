@@ -4,8 +4,9 @@
 round's collectives on its gloo group (:mod:`~bagua.torch_api.fault.group`): :meth:`~MemberCollectives.allreduce`
 (weighted by the samples each member contributed, a healed member adding zeros),
 :meth:`~MemberCollectives.allgather`, and :meth:`~MemberCollectives.screen`, which leaves out a contribution that is
-not finite or far too large on every member alike (:mod:`~bagua.torch_api.fault.screen`). An error is recorded
-through ``fail`` (the round's verdict is then ``retry``), never raised.
+not finite or far too large on every member alike (:mod:`~bagua.torch_api.fault.screen`); with ``robust=``, the
+allreduce is a coordinate-wise median or trimmed mean over an all-gather (:mod:`~bagua.torch_api.fault.robust`).
+An error is recorded through ``fail`` (the round's verdict is then ``retry``), never raised.
 
 Example:
     >>> rnd = ft.start_round(rounds, part=0)  # doctest: +SKIP
@@ -21,6 +22,7 @@ from typing import Any, Optional
 import torch
 
 from bagua.torch_api.fault.records import Round
+from bagua.torch_api.fault.robust import kept_rows, robust_average
 from bagua.torch_api.fault.screen import gather_norms, kept_average, screen
 
 __all__ = ["ROUND_ERRORS", "MemberCollectives"]
@@ -36,6 +38,8 @@ class MemberCollectives:
 
     worker: str
     max_norm_ratio: Optional[float]
+    robust: Optional[str]
+    trim: int
     dropped: list[tuple[int, str, str]]
     _round: Optional[Round]
     _error: Optional[BaseException]
@@ -73,7 +77,8 @@ class MemberCollectives:
     def allreduce(self, tensor: torch.Tensor) -> None:
         """Average ``tensor`` over the round's members in place, weighted by their samples (a plain mean, bit for
         bit a float32 allreduce's, when the weights are equal); a healed member contributes zeros, and so does one
-        left out by :meth:`screen` (the average is over the others). An error is recorded (see
+        left out by :meth:`screen` (the average is over the others). With ``robust``: the coordinate-wise median or
+        trimmed mean of the sources kept, every source counting once. An error is recorded (see
         :meth:`should_commit`), not raised; after one, nothing is sent."""
         r = self._round
         if r is None or self._error is not None:
@@ -86,7 +91,14 @@ class MemberCollectives:
             weights = self.screen(buf)
             if weights is None:
                 return
-            if weights == r.weights and r.equal_weights():
+            if self.robust is not None:  # every member's tensor, then the same robust statistic on every member
+                gathered = [torch.empty_like(buf) for _ in range(r.size)]
+                self._groups.group.allgather([gathered], [buf]).wait(timeout)
+                if any(weights):
+                    buf.copy_(robust_average(kept_rows(gathered, weights), self.robust, self.trim).view_as(buf))
+                else:
+                    buf.zero_()
+            elif weights == r.weights and r.equal_weights():
                 self._groups.group.allreduce([buf]).wait(timeout)
                 buf.div_(r.size)
             elif weights == r.weights:

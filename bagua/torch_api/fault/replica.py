@@ -49,6 +49,7 @@ from bagua.torch_api.fault.heal import TAKE_INNER_STATE, heal_state, load_inner_
 from bagua.torch_api.fault.quorum import Excluded, Quorums
 from bagua.torch_api.fault.ranks import WorkerRanks
 from bagua.torch_api.fault.records import Member, Quorum, Round, roles
+from bagua.torch_api.fault.robust import ROBUST
 from bagua.torch_api.fault.screen import MAX_NORM_RATIO, MAX_SAMPLE_RATIO, bound_samples
 from bagua.torch_api.fault.secret import derive, load_secret
 
@@ -101,6 +102,9 @@ class FaultTolerance(MemberCollectives):
             left out (3+ sources; ``None``: only NaN/Inf ones), and a member's samples count at most
             ``max_sample_ratio`` times the median of the others' (``None``: unbounded); see
             :mod:`~bagua.torch_api.fault.screen`.
+        robust: ``"median"`` or ``"trimmed_mean"`` (dropping ``trim`` values at each end): :meth:`allreduce` is
+            that coordinate-wise statistic over an all-gather of the sources' tensors, so one lying worker cannot
+            drag it far (:mod:`~bagua.torch_api.fault.robust`; ``None``: the weighted average).
 
     Attributes: ``members`` (the last round's), ``rounds``, ``retries``, ``heals`` (times this worker healed from
     a live peer; the job's first round, where every worker takes the first one's state, is the start, not a heal),
@@ -115,10 +119,16 @@ class FaultTolerance(MemberCollectives):
                  timeout_s: float = 300.0, inner_state: bool = TAKE_INNER_STATE, hostname: Optional[str] = None,
                  prefix: str = "bagua-ft", secret_file: Optional[str] = None, max_workers: Optional[int] = None,
                  max_norm_ratio: Optional[float] = MAX_NORM_RATIO,
-                 max_sample_ratio: Optional[float] = MAX_SAMPLE_RATIO) -> None:
+                 max_sample_ratio: Optional[float] = MAX_SAMPLE_RATIO, robust: Optional[str] = None,
+                 trim: int = 1) -> None:
+        if robust is not None and robust not in ROBUST:
+            raise ValueError(f"robust={robust!r}; available: {', '.join(map(repr, ROBUST))}, or None (the average)")
+        if trim < 1:
+            raise ValueError(f"trim={trim} must be at least 1 (the values dropped at each end of a trimmed mean)")
         # user settings
         self.constant_batch = constant_batch
         self.max_norm_ratio, self.max_sample_ratio = max_norm_ratio, max_sample_ratio
+        self.robust, self.trim = robust, trim
         self._secret = load_secret(secret_file)
         self.exchange_timeout_s = exchange_timeout_s
         self.inner_state = inner_state
