@@ -17,8 +17,7 @@ speeds drift: see the log page).
   seconds after the start to 2/3 of it, then 100 Mbit/s again (the parent re-shapes every host's link).
 - **Systems** (:func:`system_spec`): ``ddp``; ``diloco``: the pick of ``bagua/advise/picks.json`` for 4 hosts at
   the link (100 Mbit/s for ``drop``), ``hierarchical=False``; ``diloco_time``: the same with ``rounds="time"``;
-  ``diloco_async``: the same with ``asynchronous=True`` and ``compression="none"`` (it refuses a codec). Extra
-  ``:key=value`` settings append to a name.
+  ``diloco_async``: the same with ``asynchronous=True``. Extra ``:key=value`` settings append to a name.
 - **Time to target**: rank 0 saves the weights after every outer step (DDP: every 10 steps) with the time since the
   common start; this process evaluates the newest (on a quarter of the ``--eval-samples`` validation windows, then
   on all of them when within 0.05 of the target; off the workers' clock), stops the run when it reaches the
@@ -50,8 +49,7 @@ DIP_RANK, DIP_SPEED = 3, 0.3
 #: link name -> (rate at the start, rate during the drop or None)
 LINKS = {"100mbit": ("100mbit", None), "10mbit": ("10mbit", None), "drop": ("100mbit", "10mbit")}
 _PICK_LINK = {"100mbit": "100 Mbit/s", "10mbit": "10 Mbit/s", "drop": "100 Mbit/s"}
-#: asynchronous DiLoCo sends float32 pseudo-gradients point to point: it refuses a codec
-_EXTRA = {"diloco": "", "diloco_time": ":rounds=time", "diloco_async": ":asynchronous=True:compression=none"}
+_EXTRA = {"diloco": "", "diloco_time": ":rounds=time", "diloco_async": ":asynchronous=True"}
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
