@@ -6,7 +6,7 @@ state to a joiner; ``--stall S`` SIGSTOPs it before step S (the test sends SIGCO
 global weights, weights, counters and statistics to ``--out``. ``--api algorithm`` trains through ``with_bagua`` and
 ``DiLoCoAlgorithm(fault_tolerance=...)`` (a single-process Bagua job per worker) instead of ``DiLoCoOptimizer``.
 ``--poison nan`` / ``--poison x1e6`` makes every pseudo-gradient it contributes NaN / a million times its own (a
-bad worker); the job's secret, if any, comes from the environment (``BAGUA_JOB_SECRET_FILE``).
+bad worker), ``--poison nan-once`` only its first; the job's secret, if any, comes from the environment (``BAGUA_JOB_SECRET_FILE``).
 """
 
 from __future__ import annotations
@@ -61,13 +61,17 @@ def die_at_average(n: int) -> None:
 
 def poison(kind: str) -> None:
     """Make every pseudo-gradient this worker contributes NaN (``"nan"``) or a million times its own
-    (``"x1e6"``)."""
+    (``"x1e6"``); ``"nan-once"``: only the first NaN."""
     from bagua.torch_api.ops.diloco import Fragment
 
     honest = Fragment.pseudo_gradient
+    calls = [0]
 
     def bad(self):
         delta = honest(self)
+        calls[0] += 1
+        if kind == "nan-once":
+            return delta.fill_(float("nan")) if calls[0] == 1 else delta
         return delta.fill_(float("nan")) if kind == "nan" else delta.mul_(1e6)
 
     Fragment.pseudo_gradient = bad
@@ -81,7 +85,7 @@ def main() -> None:
     ap.add_argument("--api", choices=["optimizer", "algorithm"], default="optimizer")
     ap.add_argument("--compression", default="none")
     ap.add_argument("--outer", default="auto", help='"auto", or "LR,MOMENTUM" (no warm-up)')
-    ap.add_argument("--poison", choices=["", "nan", "x1e6"], default="")
+    ap.add_argument("--poison", choices=["", "nan", "nan-once", "x1e6"], default="")
     ap.add_argument("--timeout-s", type=float, default=60.0)
     args = ap.parse_args()
     if args.poison:

@@ -71,12 +71,12 @@ def test_a_bad_contribution_is_left_out_named_and_the_round_goes_on(coordinator,
 
 
 def _diloco(tmp_path: Path, name: str, workers: int, secret: Path, coordinator: str,
-            poison: dict[int, str]) -> list[dict]:
+            poison: dict[int, str], extra: tuple[str, ...] = ()) -> list[dict]:
     outs = [tmp_path / f"{name}{i}.pt" for i in range(workers)]
     logs = [tmp_path / f"{name}{i}.log" for i in range(workers)]
     cmds = [[sys.executable, "-m", "tests.fault.ft_worker", "--coordinator", coordinator, "--index", str(i),
              "--workers", str(workers), "--steps", "16", "--sync-every", "4", "--outer", "0.7,0.9",
-             "--out", str(outs[i])] + (["--poison", poison[i]] if i in poison else []) for i in range(workers)]
+             "--out", str(outs[i]), *extra] + (["--poison", poison[i]] if i in poison else []) for i in range(workers)]
     codes = _run(cmds, _env(secret), logs)
     assert codes == [0] * workers, [log.read_text()[-3000:] for log in logs]
     return [dict(torch.load(o), log=log.read_text()) for o, log in zip(outs, logs)]
@@ -119,3 +119,16 @@ def test_a_robust_average_is_the_coordinate_wise_trimmed_mean_of_the_sources(coo
         assert torch.equal(r[1]["y"], middle), (r[1]["y"], middle)
         assert torch.equal(r[2]["y"], (y(0, 2) + y(1, 2)) / 2)
         assert [(k, w) for k, w, _ in r["dropped"]] == [(3, "w2")]
+
+
+def test_a_compressed_round_leaves_one_nan_out_and_keeps_the_worker_after(coordinator, tmp_path):
+    """uint8 rounds with error feedback: a worker whose first pseudo-gradient is NaN is left out of that round
+    only (its residual is not replaced by a NaN one), and every worker ends with the same global weights."""
+    secret = Path(new_secret(str(tmp_path / "job.secret")))
+    runs = _diloco(tmp_path, "once", 3, secret, coordinator, {2: "nan-once"}, ("--compression", "uint8"))
+    for r in runs:
+        assert [(k, w) for k, w, _ in r["stats"]["dropped"]] == [(2, "w2")] and r["stats"]["retries"] == 0
+        assert all(torch.equal(a, b) for a, b in zip(r["global"], runs[0]["global"]))
+        assert all(torch.isfinite(g).all() for g in r["global"])
+    assert all(torch.isfinite(t).all() for t in runs[2]["residuals"].values())
+

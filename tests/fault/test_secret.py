@@ -155,3 +155,20 @@ def test_a_new_worker_past_max_workers_is_refused(coordinator, max_workers):
         assert joiners[1].result(timeout=10).ids == closed.ids
     for q in qs + [third, restarted]:
         q.close()
+
+
+def test_robust_averages_against_sorted_columns_written_plainly():
+    import torch
+
+    from bagua.torch_api.fault.robust import robust_average
+
+    rows = torch.randn(5, 7, generator=torch.Generator().manual_seed(3))
+    columns = [sorted(c) for c in zip(*rows.tolist())]
+    trimmed = torch.tensor([sum(c[1:4]) / 3 for c in columns])
+    torch.testing.assert_close(robust_average(rows, "trimmed_mean", trim=1), trimmed, rtol=0, atol=1e-6)
+    assert torch.equal(robust_average(rows, "median"), torch.tensor([c[2] for c in columns]))
+    even = torch.tensor([[sum(c[1:3]) / 2 for c in (sorted(c) for c in zip(*rows[:4].tolist()))]])
+    torch.testing.assert_close(robust_average(rows[:4], "median"), even[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(robust_average(rows[:2], "trimmed_mean", trim=1), rows[:2].mean(0))  # too few: median
+    with pytest.raises(ValueError, match="available: median, trimmed_mean"):
+        robust_average(rows, "mean")

@@ -172,7 +172,8 @@ class OverMembers:
         if averaged is None:
             return 0
         out, wire = averaged
-        if ws is not None:
+        left_out = weights[rnd.rank] == 0 < rnd.weights[rnd.rank]  # by the screen: its residual stays (no NaN)
+        if ws is not None and not left_out:
             device = ws.residual.device if ws.residual is not None else delta.device
             ws.candidate = (x - decode(wire, n, codec, block_size)).to(device)
         delta.copy_(out.view_as(delta))
