@@ -72,7 +72,7 @@ def _worker_arrivals(rank, world_size, path):
     else:
         from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 
-        model = model.with_bagua([inner], DiLoCoAlgorithm(sync_every=H, hierarchical=False, **settings))
+        model = model.with_bagua([inner], DiLoCoAlgorithm(sync_every=H, **settings))  # as a user writes it
         opt = inner
         close = model.bagua_ddp.close
         driver = model.bagua_ddp.impl.driver
