@@ -265,3 +265,36 @@ def test_fault_tolerance_is_refused():
 
     with pytest.raises(ValueError, match="needs asynchronous=False"):
         check_fault_tolerance(DiLoCoSettings(asynchronous=True), "DiLoCoOptimizer")
+
+
+# -- the other remedies measured (single process) ---------------------------------------------------------
+
+
+def test_measured_remedies_follow_their_formulas():
+    from bagua.torch_api.ops.diloco_async_outer import AsyncOuter
+
+    deltas = [torch.tensor([1.0, 2.0]), torch.tensor([0.5, -1.0]), torch.tensor([-3.0, 0.25])]
+    bases = [0, 0, 0]  # the third arrival is stale: s = 2 = N
+    for remedy in ("staleness", "heloco", "none"):
+        g = torch.zeros(2)
+        outer = AsyncOuter(g, workers=2, lr=0.5, momentum=0.9, remedy=remedy)
+        ref, m, acc = torch.zeros(2), torch.zeros(2), torch.zeros(2)
+        for t, (delta, base) in enumerate(zip(deltas, bases), start=1):
+            outer.apply(worker=t % 2, tokens=4, base=base, delta=delta)
+            s = t - 1 - base
+            d = delta * (min(1.0, 2 / (1 + s)) if remedy == "staleness" else 1.0)
+            if remedy == "heloco" and s >= 2 and float(d @ m) < 0:
+                d = d - m * float(d @ m) / float(m @ m)
+            if remedy == "none":
+                m = 0.9 * m + d
+                ref = ref - 0.5 / 2 * (d + 0.9 * m)
+                continue
+            ref = ref - 0.5 * d / 2
+            acc = acc + d
+            if t % 2 == 0:
+                m = 0.9 * m + acc / 2
+                ref = ref - 0.5 * 0.9 * m
+                acc = torch.zeros(2)
+        assert_close(g, ref, rtol=1e-6, atol=1e-7, msg=remedy)
+    with pytest.raises(ValueError, match="different runs"):
+        outer.apply(worker=0, tokens=4, base=99, delta=deltas[0])
