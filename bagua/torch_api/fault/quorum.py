@@ -167,6 +167,7 @@ class Quorums(SealedKeys):
         self.previous: Optional[Quorum] = None  # the last quorum whose verdict was ok
         self._seen: dict[str, tuple[int, float]] = {}  # worker -> (heartbeat, when it last moved), as seen here
         self._arrivals: list[float] = []  # when this worker arrived at its last rounds
+        self._known: set[str] = set()  # ids this worker saw admitted (they only grow): no store read for them
 
     # -- who is alive ------------------------------------------------------------------------------------------
 
@@ -282,10 +283,14 @@ class Quorums(SealedKeys):
     def _admitted(self) -> set[str]:
         """The ids the job admitted to a quorum so far (a sealed JSON list)."""
         ids = self._parse("admitted", self._get("admitted"), json.loads)
-        return {str(w) for w in ids} if isinstance(ids, list) else set()
+        admitted = {str(w) for w in ids} if isinstance(ids, list) else set()
+        self._known |= admitted
+        return admitted
 
     def _admit(self, ids: list[str]) -> None:
         """Add ``ids`` to the job's admitted workers (a compare-and-set loop: concurrent closers merge)."""
+        if set(ids) <= self._known:
+            return
         full = self._k("admitted")
         for _ in range(16):
             raw = self._raw(full) if self.store.check([full]) else ""
@@ -294,6 +299,7 @@ class Quorums(SealedKeys):
                 return
             merged = self.records.seal(full, json.dumps(sorted(known | set(ids))))
             if self.store.compare_set(full, raw, merged).decode(errors="replace") == merged:
+                self._known |= known | set(ids)
                 return
 
     def _arrived(self, key: int) -> list[Member]:
@@ -308,6 +314,8 @@ class Quorums(SealedKeys):
     def _bounded(self, arrived: list[Member], key: int) -> list[Member]:
         """``arrived`` without the new ids past ``max_workers`` distinct workers (in id order), named in a
         warning."""
+        if all(m.id in self._known for m in arrived):
+            return arrived
         admitted = self._admitted()
         room = self.max_workers - len(admitted)
         new = [m.id for m in arrived if m.id not in admitted]
