@@ -333,7 +333,6 @@ def _check_pace(hyper: "DiLoCoSettings") -> None:
         raise ValueError(f"{owner}(max_exchange_share=...) must be above 0, got {hyper.max_exchange_share!r}")
 
 
-
 @GlobalAlgorithmRegistry.register(
     "diloco", description="DiLoCo / Streaming DiLoCo: local steps, outer Nesterov step on the averaged weight change")
 @dataclass
@@ -390,7 +389,8 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
             (workers of different speeds: each round, the fastest worker takes ``sync_every`` steps and a slower
             one ``round(sync_every * t_fastest / t_own)``, from the compute seconds per step each measured last
             round, so all reach the exchange together; the average weighs each pseudo-gradient by its samples, 1
-            per step unless ``driver.add_samples(n)``). Equal speeds give ``"steps"``' weights, bit for bit.
+            per step unless ``driver.add_samples(n)``). Equal speeds give ``"steps"``' weights, bit for bit. Each
+            round's record is in ``driver.records`` (docs/algorithms/diloco.md). Not on sharded replicas (yet).
         speed_tolerance: with ``rounds="time"``, a worker at most this fraction slower than the fastest takes
             ``sync_every`` steps (default 0.1).
         sync_every_max: links that change: after each round, when the exchange took more than
