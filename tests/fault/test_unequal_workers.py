@@ -4,6 +4,8 @@ Two workers (threads of the test, each its own ``FaultTolerance`` and ``DiLoCoOp
 it sleeps 4x the first's step in every step. After the first round it takes fewer inner steps, the new global
 weights are the token-weighted mean of the workers' weights (outer SGD with lr 1, momentum 0), written plainly
 here from what each worker recorded, and ``python -m bagua.torch_api.fault.top --once`` shows both workers' rows.
+A worker that stalls past the deadline in a paced job is left out, heals from the other, and both end with the same
+weights, in the same round.
 """
 
 from __future__ import annotations
@@ -71,3 +73,42 @@ def test_a_padded_worker_takes_fewer_steps_and_weighs_by_its_tokens(coordinator)
     lines = top.stdout.splitlines()
     assert lines[0].split()[:3] == ["worker", "round", "sync_every"]
     assert [line.split()[0] for line in lines[1:]] == ["w0", "w1"], top.stdout
+
+
+def _stalling_worker(address: str, i: int) -> dict:
+    from bagua.torch_api.contrib import DiLoCoOptimizer
+
+    ft = FaultTolerance(address, f"w{i}", workers=2, min_quorum=1, deadline_s=0.5, heartbeat_s=0.1, stale_s=5.0,
+                        timeout_s=30.0, exchange_timeout_s=10.0, prefix="unequal-stall")
+    model = make_model(i)
+    opt = DiLoCoOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), sync_every=4, rounds="time",
+                          outer_lr=1.0, outer_momentum=0.0, fault_tolerance=ft)
+    step = 0
+    while opt.syncs < 6:
+        step += 1
+        x, y = batch(i, step)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.inner.step()
+        time.sleep(0.005 if i == 0 else 0.015)
+        if i == 1 and step == 6:
+            time.sleep(2.0)  # past the deadline: the other worker's round closes without this one
+        opt.after_inner_step()
+    out = {"params": params_of(model), "global": [f.global_.clone() for f in opt.fragments],
+           "stats": (ft.left_out, ft.heals), "round": opt.driver.pace.round, "records": opt.driver.records}
+    return out, ft
+
+
+def test_a_worker_left_out_of_a_paced_round_heals_and_agrees(coordinator):
+    with ThreadPoolExecutor(2) as pool:
+        (a, fa), (b, fb) = pool.map(lambda i: _stalling_worker(coordinator, i), [0, 1])
+    fa.close()
+    fb.close()
+    assert b["stats"][0] >= 1 and b["stats"][1] >= 1, b["stats"]  # left out, then healed from w0
+    assert a["stats"] == (0, 0)
+    assert all(torch.equal(x, y) for x, y in zip(a["global"], b["global"]))
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    assert a["round"] == b["round"] == 6  # each round, whatever its steps, counted on both
+    # w1's records skip the rounds it missed (one round each, in order, all with both members)
+    assert [r.round for r in b["records"]] == sorted({r.round for r in b["records"]})
+    assert all(r.workers == ["w0", "w1"] for r in b["records"])

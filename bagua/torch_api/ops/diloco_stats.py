@@ -140,7 +140,7 @@ class Rounds:
         carries, and keep this one's speeds, steps and tokens until the next."""
         if self._pending is not None:
             last_round, last_h, last_workers, last = self._pending
-            if last_workers == workers:
+            if last_workers == workers and round == last_round + 1:  # else this worker missed rounds (healed)
                 t = last[:, 1].tolist()
                 record = RoundRecord(
                     last_round, last_h, list(last_workers), [1.0 / x if x > 0 else 0.0 for x in t],
