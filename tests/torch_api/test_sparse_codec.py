@@ -107,3 +107,33 @@ def test_topk_allreduce_is_the_plain_average_with_error_feedback() -> None:
     for rank in range(2):
         assert torch.equal(results[rank][2], e[rank])
         assert results[rank][3] == 4 * (4 + 8 + 4)  # 1000 = 3 blocks of 256 + 232 (k = 8 too): one wire, one peer
+
+
+def _worker_diloco(rank: int, world_size: int):
+    from bagua.torch_api.contrib import DiLoCoOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(40, 20)
+    g = [p.detach().clone() for p in model.parameters()]
+    lr = 0.1
+    opt = DiLoCoOptimizer(torch.optim.SGD(model.parameters(), lr=lr), sync_every=1, compression="topk",
+                          block_size=256, outer_lr=1.0, outer_momentum=0.0, outer_lr_warmup=0)
+    gen = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(16, 40, generator=gen), torch.randn(16, 20, generator=gen)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    grads = [p.grad.detach().clone() for p in model.parameters()]
+    opt.step()
+    return g, grads, [p.detach().clone() for p in model.parameters()]
+
+
+def test_diloco_with_topk_takes_the_outer_step_on_the_plain_sparse_average() -> None:
+    results = run_workers(_worker_diloco, 2)
+    g = torch.cat([t.reshape(-1) for t in results[0][0]])
+    deltas = []
+    for _, grads, _ in results:  # x = g - lr * grad (SGD), delta = g - x, the same float32 operations
+        x = torch.cat([(t.add(gr, alpha=-0.1)).reshape(-1) for t, gr in zip(results[0][0], grads)])
+        deltas.append(g - x)
+    average = (torch.zeros_like(g) + _reference(deltas[0], 256) + _reference(deltas[1], 256)) / 2
+    expected = g - average  # outer SGD, lr 1, no momentum
+    for _, _, params in results:
+        torch.testing.assert_close(torch.cat([p.reshape(-1) for p in params]), expected, rtol=0, atol=1e-7)

@@ -16,7 +16,8 @@ Streaming DiLoCo (https://arxiv.org/abs/2501.18512) adds three things, each a kn
   ``x = alpha * x + (1 - alpha) * g`` (``overlap_alpha``, the paper's alpha; with ``tau = 0`` simply ``x = g``);
 - ``compression``: the pseudo-gradient travels as ``"bf16"``, in 8 or 4 bits per value with a min/max per block
   (``"uint8"``, ``"uint4"``), or in 2 bits about each block's mean and RMS (``"nf2"``, best with ``block_size=256``;
-  :mod:`bagua.torch_api.codecs.block`), through a scatter-reduce-gather; accumulation
+  :mod:`bagua.torch_api.codecs.block`), through a scatter-reduce-gather, or sparse (``"topk"``: each block's
+  largest 1/32 with 4-bit values, :mod:`bagua.torch_api.codecs.sparse`) through an all-gather; accumulation
   and the outer step stay in float32, and error feedback (on by default when compressed) carries each rank's
   quantization error to its next pseudo-gradient.
 
@@ -55,7 +56,7 @@ from bagua.torch_api.tensor import BaguaTensor
 __all__ = ["DiLoCoSettings", "DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS", "check_fault_tolerance"]
 
 #: what the pseudo-gradient travels as
-COMPRESSIONS = ("none", "bf16", "uint8", "uint4", "nf2")
+COMPRESSIONS = ("none", "bf16", "uint8", "uint4", "nf2", "topk")
 
 
 class DiLoCoAlgorithmImpl(AlgorithmImpl):
@@ -358,7 +359,8 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
             ``sync_every``); 0 waits for it at once.
         overlap_alpha: with ``overlap_steps > 0``, the weights become ``alpha * x + (1 - alpha) * g``.
         compression: ``"none"`` (float32 allreduce), ``"bf16"``, ``"uint8"`` or ``"uint4"`` (block-wise min/max
-            codes), or ``"nf2"`` (2-bit codes about each block's mean and RMS; pass ``block_size=256``): a name of
+            codes), ``"nf2"`` (2-bit codes about each block's mean and RMS; pass ``block_size=256``) or ``"topk"``
+            (sparse: each block's largest 1/32 values, positions and 4-bit codes; ``block_size=256``): a name of
             :data:`~bagua.torch_api.codecs.registry.GlobalCodecRegistry`, or ``"none"``.
         error_feedback: keep each rank's compression error and add it to the next pseudo-gradient; ``None``
             (default) means on when compressed.

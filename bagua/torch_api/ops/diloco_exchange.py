@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 
 from bagua.torch_api import communication as comm
-from bagua.torch_api.codecs.block import decode, wire_numel
+from bagua.torch_api.codecs.block import SPARSE, decode, wire_numel
 from bagua.torch_api.codecs.block_allreduce import block_allreduce_inplace
 from bagua.torch_api.codecs.workspace import allgather_average
 from bagua.torch_api.comm.cost import ring_allreduce_bytes
@@ -98,6 +98,8 @@ class OverRanks:
         ws = fragment.workspace = block_allreduce_inplace(fragment.delta, self.c, codec, block_size, average=True,
                                                           workspace=fragment.workspace,
                                                           error_feedback=error_feedback, tag=fragment.index)
+        if codec in SPARSE:  # an all-gather: the whole wire to every peer
+            return ws.bytes_sent()
         # this rank's encoded chunks to their owners, then its encoded share of the average to every peer
         return sum(wire_numel(ws.bounds(j)[1] - ws.bounds(j)[0], codec, block_size)
                    for j in range(n) if j != r) + (n - 1) * ws.slot
