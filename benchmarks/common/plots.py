@@ -316,9 +316,10 @@ def plot_unequal(table: list[dict], path: str, caption: str = "", title: str = T
     for ax, link in zip(axes[0], links):
         sub = [e for e in ok if e["link"] == link]
         profiles = list(dict.fromkeys(e["profile"] for e in sub))
-        width = 0.8 / len(systems)
-        for j, system in enumerate(systems):
-            xs = [i + (j - (len(systems) - 1) / 2) * width for i, p in enumerate(profiles)
+        here = [s for s in systems if any(e["system"] == s for e in sub)]  # no empty bars: their legend is wrong
+        width = 0.8 / len(here)
+        for j, system in enumerate(here):
+            xs = [i + (j - (len(here) - 1) / 2) * width for i, p in enumerate(profiles)
                   if any(e["profile"] == p and e["system"] == system for e in sub)]
             ys = [e["time_s"] for p in profiles for e in sub if e["profile"] == p and e["system"] == system]
             ax.bar(xs, ys, width * 0.95, color=styles[system]["color"], label=system)
