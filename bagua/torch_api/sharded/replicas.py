@@ -10,6 +10,12 @@ algorithm it extends:
   (plain HSDP's maths);
 - ``bytegrad``: the same point, through a compressed allreduce (chunk, uint8 or uint4 code), its error-feedback
   residuals sharded like the gradient (one workspace per FSDP2 unit);
+- both exchanges overlap the rest of the backward, as native HSDP's all-reduce does: started in the hook (an
+  asynchronous ``all_reduce``; ByteGrad's on a communication thread) and waited for at the end of the backward,
+  before an optimizer step, a checkpoint and :meth:`ShardedReplicas.close`, with the same numbers bit for bit. A
+  unit whose gradients FSDP2 copies after the hook (float16 or mixed-precision reduction, gradient accumulation, CPU
+  offload, post-accumulate-grad hooks: :mod:`bagua.torch_api.sharded.overlap`) exchanges synchronously in the hook,
+  as do all units with ``overlap=False`` or ``BAGUA_SHARDED_OVERLAP=0``;
 - ``diloco`` (and streaming DiLoCo): no exchange at inner steps; every ``sync_every`` steps the pseudo-gradient of
   this rank's shard is averaged over the replicas and the outer step runs on the shard. Global weights, outer
   momentum and residuals are held per shard (1/S of the unsharded amount); fragments are whole FSDP2 units. The
@@ -41,6 +47,7 @@ from bagua.torch_api.comm.worker import CommWorker
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver
 from bagua.torch_api.sharded.checkpoint import load_sharded_state_dict, sharded_state_dict
 from bagua.torch_api.sharded.mesh import check_mesh, fsdp_units, local_shard, replica_groups
+from bagua.torch_api.sharded.overlap import PendingExchanges, can_overlap, overlap_default
 
 __all__ = ["ShardedReplicas", "SUPPORTED", "replica_hook"]
 
@@ -82,10 +89,13 @@ class ShardedReplicas:
             :class:`~bagua.torch_api.algorithms.diloco.DiLoCoAlgorithm`.
         device_mesh: a 2-D ``DeviceMesh`` with named dimensions.
         replicate_dim: the name of the dimension Bagua communicates over.
+        overlap: gradient allreduce and ByteGrad: let the replica exchanges run while the backward goes on (see
+            :mod:`bagua.torch_api.sharded.overlap`); ``False`` runs them inside FSDP2's hook. Default:
+            ``BAGUA_SHARDED_OVERLAP`` (``1``). The numbers are the same either way.
     """
 
     def __init__(self, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], algorithm: Any,
-                 device_mesh: Any, replicate_dim: str) -> None:
+                 device_mesh: Any, replicate_dim: str, overlap: Optional[bool] = None) -> None:
         name = type(algorithm).__name__
         #: how this rank's replica exchanges: asked of the algorithm (see :func:`replica_hook`)
         self.hook = replica_hook(algorithm)
@@ -114,6 +124,9 @@ class ShardedReplicas:
         # user settings
         self.module, self.algorithm = module, algorithm
         self.optimizer = optimizers[0]
+        self.optimizers = list(optimizers)
+        #: whether gradient allreduce and ByteGrad overlap their exchanges with the backward (read at every hook)
+        self.overlap = overlap_default() if overlap is None else overlap
         # the replicas: a communicator of Bagua's own over this rank's replica group (collective: every rank
         # creates every group, in mesh order)
         rank = dist.get_rank()
@@ -140,6 +153,7 @@ class ShardedReplicas:
         self._counted = False  # this step's backward has been counted
         self._warm = False  # and it was a warm-up step
         self._handles: list[Any] = []
+        self._exchanges = PendingExchanges(self.communicator, "sharded replicas")
         self._install()
 
     # -- set-up ------------------------------------------------------------------------------------------------
@@ -157,7 +171,10 @@ class ShardedReplicas:
 
         fsdp_modules = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
         for i, m in enumerate(fsdp_modules):
-            m.set_all_reduce_hook(self._hook_for(i))
+            m.set_all_reduce_hook(self._hook_for(i, m))
+        if self.hook in ("allreduce", "bytegrad"):  # what is in flight lands before any optimizer steps
+            for optimizer in self.optimizers:
+                self._handles.append(optimizer.register_step_pre_hook(lambda *_: self._exchanges.wait()))
         if self.hook == "diloco":
             # with overlap, the exchanges travel on a thread of the driver's own while the next inner steps run
             worker = CommWorker("bagua-diloco-sharded", None) if self.algorithm.overlap_steps > 0 else None
@@ -187,26 +204,41 @@ class ShardedReplicas:
 
     # -- the moments of a step ---------------------------------------------------------------------------------
 
-    def _hook_for(self, unit: int) -> Callable[[torch.Tensor], None]:
+    def _hook_for(self, unit: int, fsdp_module: Any) -> Callable[[torch.Tensor], None]:
         def hook(reduce_output: torch.Tensor) -> None:
-            self._exchange_gradient(unit, reduce_output)
+            overlap = self.overlap and self.hook != "diloco" and can_overlap(fsdp_module, reduce_output)
+            self._exchange_gradient(unit, reduce_output, overlap)
 
         return hook
 
-    def _exchange_gradient(self, unit: int, flat: torch.Tensor) -> None:
-        """Average one unit's reduce-scatter output over the replicas, as the algorithm says."""
+    def _exchange_gradient(self, unit: int, flat: torch.Tensor, overlap: bool = False) -> None:
+        """Average one unit's reduce-scatter output over the replicas, as the algorithm says; with ``overlap``,
+        start it and leave it in flight (see :mod:`bagua.torch_api.sharded.overlap`)."""
         if self.hook == "diloco":
             warm = self._count_step()
             if not warm:
                 return  # inner steps: each replica trains on its own gradients
+        if not overlap and len(self._exchanges):
+            self._exchanges.wait()  # every rank exchanges in the same order: the ones in flight first
         if self.hook == "bytegrad":
             ws = self._workspaces.get(unit)
             if ws is None:
                 a = self.algorithm
                 ws = self._workspaces[unit] = make_workspace(a.codec, flat.numel(), self.communicator.nranks(),
                                                              flat.device, a.block_size, a.error_feedback)
-            compressed_allreduce_inplace(flat, ws, self.communicator, average=self.algorithm.average,
-                                         error_feedback=self.algorithm.error_feedback, tag=unit)
+            a, c = self.algorithm, self.communicator
+
+            def exchange() -> None:
+                compressed_allreduce_inplace(flat, ws, c, average=a.average, error_feedback=a.error_feedback, tag=unit)
+
+            if overlap:
+                self._exchanges.submit(exchange, f"ByteGrad exchange of FSDP2 unit {unit} over the replicas",
+                                       cuda=flat.is_cuda)
+            else:
+                exchange()
+            return
+        if overlap:
+            self._exchanges.allreduce_average(flat)
             return
         comm.allreduce_inplace(flat, ReduceOp.AVG, self.communicator)
 
@@ -242,12 +274,14 @@ class ShardedReplicas:
         """Return this rank's state for ``torch.distributed.checkpoint`` (a DCP ``Stateful``): step counters,
         DiLoCo's outer state as per-parameter DTensors, residuals under keys naming the replica (see
         :mod:`bagua.torch_api.sharded.checkpoint`)."""
+        self._exchanges.wait()
         if self.driver is not None:
             self._end_steps()  # the end-of-step work a forward would run first (collective, as the save is)
         return sharded_state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, as loaded by ``torch.distributed.checkpoint.load``."""
+        self._exchanges.wait()
         load_sharded_state_dict(self, state)
 
     # -- teardown ----------------------------------------------------------------------------------------------
@@ -256,6 +290,7 @@ class ShardedReplicas:
         """Stop: remove the optimizer hook and FSDP2's all-reduce hooks, finish DiLoCo's exchanges in flight."""
         from torch.distributed.fsdp import FSDPModule
 
+        self._exchanges.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
