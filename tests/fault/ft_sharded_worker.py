@@ -34,6 +34,9 @@ def main() -> None:
     ap = worker_parser()
     ap.add_argument("--outer", default="0.7,0.9", help="LR,MOMENTUM of the outer Nesterov SGD")
     ap.add_argument("--inner-state", action="store_true")
+    ap.add_argument("--await-all", action="store_true",
+                    help="before the last round, wait (up to 90 s) until every worker is live again, so a restart "
+                         "that is slow on a loaded machine still joins before the survivors end the job")
     args = ap.parse_args()
 
     import bagua.torch_api as bagua
@@ -63,8 +66,15 @@ def main() -> None:
                                                   fault_tolerance=ft),
                          device_mesh=mesh, replicate_dim="replicate")
     d = net.bagua_sharded.driver
+    awaited = False
     while d.steps < args.steps:
         step = d.steps + 1
+        if args.await_all and not awaited and d.steps == args.steps - args.sync_every:
+            awaited = True
+            deadline = time.monotonic() + 90.0
+            while rank == 0 and len(ft.quorums.live()) < args.workers and time.monotonic() < deadline:
+                time.sleep(0.2)
+            dist.barrier()  # the worker's other rank waits with it
         if dies and kind == "inner" and step == int(at):
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(2 * args.index + rank, step)
