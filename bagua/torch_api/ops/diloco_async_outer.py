@@ -20,7 +20,7 @@ arrival (from 1; the global weights are then at version ``t - 1``; ``N`` workers
 ``lr`` rises linearly over ``outer_lr_warmup = W`` virtual rounds of ``N`` arrivals: arrival ``t`` uses
 ``lr * min(1, (k + 1) / W)`` with ``k = (t - 1) // N``, as a synchronous run's ``k``-th round.
 
-Why delayed Nesterov (:data:`DEFAULT_REMEDY`): measured with ``benchmarks/diloco_async_remedy.py --seeds 0 1 2``
+Why delayed Nesterov (:data:`DEFAULT_REMEDY`): measured with ``benchmarks/to_target/async_remedy.py --seeds 0 1 2``
 (a small MLP on non-IID shards, AdamW inner steps, ``H = 10``, simulated time, eval loss at the same time; mean of
 3 seeds, lower is better), at the default outer step for 2-4 workers (``"auto"``: lr 1, Nesterov 0.5, warm-up 10):
 

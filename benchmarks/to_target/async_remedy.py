@@ -8,7 +8,7 @@ the events, ties by worker), through :class:`~bagua.torch_api.ops.diloco_async_o
 library runs; the synchronous baseline waits for the slowest worker every round and takes torch's SGD step on
 the mean. Each run stops at the same simulated time; the figure is the loss on held-out data from all classes.
 
-    .venv/bin/python benchmarks/diloco_async_remedy.py --seeds 0 1 2
+    .venv/bin/python benchmarks/to_target/async_remedy.py --seeds 0 1 2
 """
 
 from __future__ import annotations
