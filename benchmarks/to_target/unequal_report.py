@@ -58,7 +58,11 @@ def summarize(rows: list[dict]) -> list[dict]:
                  "time_s": _median([r["time_to_target_s"] for r in hit]) if len(hit) * 2 > len(rs) else None,
                  "times_s": sorted(r["time_to_target_s"] for r in hit),
                  "steps": _median([r["steps_to_target"] for r in hit]),
-                 "tokens": _median([r["tokens_to_target"] for r in hit])}
+                 "tokens": _median([r["tokens_to_target"] for r in hit]),
+                 # per seed, the most steps of one worker whose compute alone exceeded --step-s (load), in %
+                 "overrun_pct": [round(100 * max((w.get("overruns") or 0) / max(w.get("steps") or 1, 1)
+                                                 for w in r["workers"]) if r.get("workers") else 0)
+                                 for r in sorted(rs, key=lambda r: r["seed"])]}
         if hit:
             mid = sorted(hit, key=lambda r: r["time_to_target_s"])[len(hit) // 2]
             entry["worker_steps"] = mid["worker_steps_to_target"]
@@ -90,14 +94,15 @@ def format_table(table: list[dict]) -> str:
     """A markdown table of :func:`summarize`'s entries."""
     fmt = (lambda v, spec: "-" if v is None else format(v, spec))
     lines = ["| link | profile | system | reached | time to target s (median [seeds]) | ideal s | vs ideal | "
-             "vs sync DiLoCo | steps (rank 0) | tokens vs equal | worker steps at target |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "vs sync DiLoCo | steps (rank 0) | tokens vs equal | worker steps at target | overrun % |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in table:
         times = ", ".join(f"{t:.0f}" for t in e["times_s"])
         lines.append(f"| {e['link']} | {e['profile']} ({','.join(f'{s:g}' for s in e['speeds'])}) | {e['system']} | "
                      f"{e['reached']} | {fmt(e['time_s'], '.1f')} [{times}] | {fmt(e['ideal_s'], '.1f')} | "
                      f"{fmt(e['vs_ideal'], '.2f')}x | {fmt(e['vs_sync'], '.2f')}x | {fmt(e['steps'], '.0f')} | "
-                     f"{fmt(e['tokens_vs_equal'], '.2f')}x | {e.get('worker_steps', '-')} |")
+                     f"{fmt(e['tokens_vs_equal'], '.2f')}x | {e.get('worker_steps', '-')} | "
+                     f"{', '.join(str(p) for p in e.get('overrun_pct', []))} |")
     return "\n".join(lines)
 
 
