@@ -16,7 +16,9 @@ gradients hold, unless FSDP2 copies or changes ``reduce_output`` after the hook.
 unit cannot be read), the exchange runs synchronously inside the hook, as before. Where none does, the exchange is
 started (:class:`PendingExchanges`) and waited for at the end of the backward (a callback queued on the autograd
 engine, after FSDP2's own), so ``param.grad`` is averaged when ``backward()`` returns, as with native HSDP. Either way
-the numbers are the same, bit for bit: the same collective, on the same tensor, with the same inputs.
+the numbers are the same, bit for bit: the same collective, on the same tensor, with the same inputs. DiLoCo's
+warm-up steps (gradients averaged over the replicas) still exchange synchronously in the hook. The conditions were
+read from torch 2.13's FSDP2; ``tests/sharded/test_overlap.py`` checks them against the synchronous path.
 
 Example:
     >>> exchanges = PendingExchanges(communicator, "sharded replicas")  # doctest: +SKIP
@@ -27,7 +29,6 @@ Example:
 from __future__ import annotations
 
 import datetime
-import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -39,8 +40,6 @@ from bagua.torch_api.comm.reduce_op import ReduceOp, finish_avg
 from bagua.torch_api.comm.worker import CommJob, CommWorker, wait_or_raise
 
 __all__ = ["PendingExchanges", "can_overlap", "overlap_default"]
-
-logger = logging.getLogger(__name__)
 
 #: reduce dtypes FSDP2 divides inside the collective (none after the hook), unless sums are forced
 _NO_POST_DIVIDE = (torch.float32, torch.bfloat16)

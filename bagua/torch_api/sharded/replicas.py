@@ -287,10 +287,10 @@ class ShardedReplicas:
     # -- teardown ----------------------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop: remove the optimizer hook and FSDP2's all-reduce hooks, finish DiLoCo's exchanges in flight."""
+        """Stop: remove the optimizer hooks and FSDP2's all-reduce hooks, finish the exchanges in flight (DiLoCo's,
+        and the gradients' still running); a failed one raises once everything is removed."""
         from torch.distributed.fsdp import FSDPModule
 
-        self._exchanges.close()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
@@ -299,6 +299,7 @@ class ShardedReplicas:
                 m.set_all_reduce_hook(lambda _: None)
         if self.driver is not None:
             self.driver.close(strict=False)
+        self._exchanges.close()
 
     def _release_for_exit(self) -> None:
         if self.driver is not None:
