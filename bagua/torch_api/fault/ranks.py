@@ -24,12 +24,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.fault.quorum import CoordinatorLost, Excluded
+from bagua.torch_api.fault.quorum import CoordinatorLost, Excluded, JobEnded
+from bagua.torch_api.fault.secret import NotAdmitted
 
 __all__ = ["WorkerRanks"]
 
 _RAISED: dict[str, type[Exception]] = {
     "Excluded": Excluded, "CoordinatorLost": CoordinatorLost, "TimeoutError": TimeoutError, "ValueError": ValueError,
+    "JobEnded": JobEnded, "NotAdmitted": NotAdmitted,
 }
 
 
