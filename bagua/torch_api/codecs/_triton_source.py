@@ -50,21 +50,21 @@ def _min_max2(a, mask_a, b, mask_b):
 
 @triton.jit
 def _huge(mn, mx):
-    # block._huge: finite with max(|min|, |max|) >= 2**126 (NaN compares false)
+    # _block_kernels._huge: finite with max(|min|, |max|) >= 2**126 (NaN compares false)
     m = tl.maximum(tl.abs(mn), tl.abs(mx))
     return (m >= 2.0**126) & (m < float("inf"))
 
 
 @triton.jit
 def _block_scale(mns, mxs, LEVELS: tl.constexpr):
-    # block._scale: s = L / r, 0 where that is not finite
+    # _block_kernels._scale: s = L / r, 0 where that is not finite
     s = tl.div_rn(tl.full([], LEVELS, tl.float32), mxs - mns)
     return tl.where(tl.abs(s) < float("inf"), s, 0.0)
 
 
 @triton.jit
 def _block_codes(x, huge, mns, s):
-    # block._quantize: (x - min) * s + 2**23, whose float32 bits end in the code (x halved on huge blocks)
+    # _block_kernels._quantize: (x - min) * s + 2**23, whose float32 bits end in the code (x halved on huge blocks)
     xs = tl.where(huge, x * 0.5, x)
     y = (xs - mns) * s + 8388608.0
     return y.to(tl.int32, bitcast=True) & 0xFF
@@ -116,7 +116,7 @@ def block_encode_u4(x_ptr, hdr_ptr, codes_ptr, m, half, per_block, LEVELS: tl.co
 
 @triton.jit
 def _block_values(q, mn, mx, LEVELS: tl.constexpr):
-    # block._dequantize: min + q * (r / L); huge blocks: clamp(2 * (min/2 + q * (r/2 / L)), min, max)
+    # _block_kernels._dequantize: min + q * (r / L); huge blocks: clamp(2 * (min/2 + q * (r/2 / L)), min, max)
     huge = _huge(mn, mx)
     mns = tl.where(huge, mn * 0.5, mn)
     mxs = tl.where(huge, mx * 0.5, mx)

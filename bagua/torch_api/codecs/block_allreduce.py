@@ -34,7 +34,7 @@ Example:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -45,7 +45,7 @@ from bagua.torch_api.codecs.residuals import ErrorFeedbackResiduals
 from bagua.torch_api.codecs.scatter_reduce_gather import SegmentCodec, Wait, scatter_reduce_gather
 from bagua.torch_api.codecs.scatter_reduce_gather import post_receives_first as _post_receives_first
 
-__all__ = ["BlockWorkspace", "block_allreduce_inplace", "chunk_length"]
+__all__ = ["BlockWorkspace", "block_allreduce_inplace", "chunk_length", "allgather_decode"]
 
 
 def chunk_length(numel: int, nranks: int, block_size: int = DEFAULT_BLOCK) -> int:
@@ -318,9 +318,9 @@ def block_allreduce_inplace(
 def _allgather_inplace(flat: torch.Tensor, c: BaguaCommunicator, ws: BlockWorkspace, average: bool,
                        error_feedback: bool) -> None:
     """A sparse codec's exchange: encode ``flat`` (plus the residual) once, all-gather the wires, and decode-sum
-    them in rank order into ``flat`` (a sparse sum cannot be re-sparsified without loss; every rank decodes the
-    same bytes in the same order, so all end bit-identical). The residual becomes ``x - D(Q(x))``."""
-    n, codec, block_size = c.nranks(), ws.codec, ws.block_size
+    them in rank order into ``flat`` (:func:`allgather_decode`: a sparse sum cannot be re-sparsified without loss).
+    The residual becomes ``x - D(Q(x))``."""
+    n = c.nranks()
     if error_feedback:
         if ws.residual is None or ws.residual.device != flat.device:
             ws.residual = torch.zeros(ws.numel, dtype=torch.float32, device=flat.device) if ws.residual is None \
@@ -329,13 +329,48 @@ def _allgather_inplace(flat: torch.Tensor, c: BaguaCommunicator, ws: BlockWorksp
         if ws.keep_previous:
             ws.previous = (ws.residual.clone(), ws.server_residual.clone())
         flat.add_(ws.residual)
-    wire = encode(flat, codec, block_size)
-    wires = torch.empty(n * wire.numel(), dtype=torch.uint8, device=flat.device)
-    allgather(wire, wires, c)
+
+    def gather(wire: torch.Tensor) -> list[torch.Tensor]:
+        wires = torch.empty(n * wire.numel(), dtype=torch.uint8, device=flat.device)
+        allgather(wire, wires, c)
+        return list(wires.view(n, -1))
+
+    total, wire = allgather_decode(flat, ws.codec, gather, ws.block_size, average=average)
     if error_feedback:
-        ws.residual.copy_(flat).sub_(decode(wire, flat.numel(), codec, block_size))
-    flat.zero_()
-    for w in wires.view(n, -1):
-        decode(w, flat.numel(), codec, block_size, out=flat, accumulate=True)
-    if average:
-        flat.div_(n)
+        ws.residual.copy_(flat).sub_(decode(wire, flat.numel(), ws.codec, ws.block_size))
+    flat.copy_(total)
+
+
+@torch.no_grad()
+def allgather_decode(x: torch.Tensor, codec: str, all_gather: Callable[[torch.Tensor], Optional[list[torch.Tensor]]],
+                     block_size: int = DEFAULT_BLOCK, weights: Optional[Sequence[float]] = None, average: bool = True,
+                     ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    """Encode ``x`` once with the block ``codec``, all-gather the wires, and decode-sum them in member order.
+
+    Every member decodes the same wires in the same order, so every member ends with the same result, bit for bit.
+    ``weights`` (one per member, e.g. the samples behind it; 0 adds nothing) give the weighted average; without
+    them the sum, divided by the number of wires when ``average``. Returns ``(result, wire)`` (this member's own
+    wire, for its residual ``x - decode(wire)``), or ``None`` when ``all_gather`` returned ``None`` (a failed
+    fault-tolerant round).
+
+    Example:
+        >>> allgather_decode(torch.tensor([1.0, 3.0]), "bf16", lambda wire: [wire, wire])[0]
+        tensor([1., 3.])
+    """
+    n = x.numel()
+    wire = encode(x, codec, block_size)
+    wires = all_gather(wire)
+    if wires is None:
+        return None
+    out = torch.zeros(n, dtype=torch.float32, device=x.device)
+    if weights is None:
+        for w in wires:
+            decode(w, n, codec, block_size, out=out, accumulate=True)
+        if average:
+            out.div_(len(wires))
+    else:
+        total = max(1, sum(weights))
+        for w, weight in zip(wires, weights):
+            if weight:
+                out.add_(decode(w, n, codec, block_size), alpha=weight / total)
+    return out, wire

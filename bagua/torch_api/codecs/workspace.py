@@ -29,8 +29,8 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from bagua.torch_api.codecs.block import DEFAULT_BLOCK, decode, encode
-from bagua.torch_api.codecs.block_allreduce import BlockWorkspace
+from bagua.torch_api.codecs.block import DEFAULT_BLOCK
+from bagua.torch_api.codecs.block_allreduce import BlockWorkspace, allgather_decode
 from bagua.torch_api.codecs.compressed_allreduce import Workspace
 from bagua.torch_api.codecs.registry import GlobalCodecRegistry
 from bagua.torch_api.comm.process_group import BaguaCommunicator
@@ -134,19 +134,4 @@ def allgather_average(x: torch.Tensor, codec: str, all_gather: Callable[[torch.T
     if spec.block_codec is None:
         raise ValueError(f"the all-gather pattern takes a block codec, not {codec!r}; available: "
                          + ", ".join(repr(n) for n in GlobalCodecRegistry if GlobalCodecRegistry[n].block_codec))
-    n = x.numel()
-    wire = encode(x, spec.block_codec, block_size)
-    wires = all_gather(wire)
-    if wires is None:
-        return None
-    out = torch.zeros(n, dtype=torch.float32, device=x.device)
-    if weights is None:
-        for w in wires:
-            decode(w, n, spec.block_codec, block_size, out=out, accumulate=True)
-        out.div_(len(wires))
-    else:
-        total = max(1, sum(weights))
-        for w, weight in zip(wires, weights):
-            if weight:
-                out.add_(decode(w, n, spec.block_codec, block_size), alpha=weight / total)
-    return out, wire
+    return allgather_decode(x, spec.block_codec, all_gather, block_size, weights)
