@@ -81,11 +81,17 @@ def test_bad_pace_settings_say_what_to_do(kwargs, match):
         DiLoCoAlgorithm(**kwargs)
 
 
-def test_sharded_replicas_refuse_paced_rounds_saying_why():
+def test_fault_tolerant_sharded_workers_refuse_paced_rounds_saying_why():
+    from types import SimpleNamespace
+
     from bagua.torch_api.ops.diloco_driver import DiLoCoDriver
 
-    driver = DiLoCoDriver(DiLoCoSettings(rounds="time"), "DiLoCo (sharded)")
-    with pytest.raises(ValueError, match="sharded replicas"):
+    # sharded replicas without fault tolerance run them (tests/sharded/test_paced_rounds.py)
+    DiLoCoDriver(DiLoCoSettings(rounds="time"), "DiLoCo (sharded)").build([torch.nn.Parameter(torch.zeros(3))],
+                                                                          units=[1])
+    fault = SimpleNamespace(workers=2, ranks=None, worker="w0", quorums=SimpleNamespace(store=None, prefix="job"))
+    driver = DiLoCoDriver(DiLoCoSettings(rounds="time"), "DiLoCo (sharded)", fault=fault)
+    with pytest.raises(ValueError, match="fault-tolerant sharded workers"):
         driver.build([torch.nn.Parameter(torch.zeros(3))], units=[1])
 
 

@@ -127,11 +127,11 @@ class DiLoCoDriver(FaultRounds, PacedRounds):
         parameter is a unit.
         """
         hyper = self.hyper
-        if units is not None and self.pace.active:  # only sharded replicas pass units
-            raise ValueError(f"{self.owner}: rounds=\"time\" and sync_every_max do not run on sharded replicas "
-                             "(FSDP2) yet: each shard's replica group would measure and plan on its own, and shards "
-                             "of one replica must take the same inner steps. Use rounds=\"steps\" and "
-                             "sync_every_max=None there")
+        if units is not None and self.pace.active and self.fault is not None:  # only sharded replicas pass units
+            raise ValueError(f"{self.owner}: rounds=\"time\" and sync_every_max do not run on fault-tolerant "
+                             "sharded workers (FSDP2) yet: each shard's round would measure and plan on its own, and "
+                             "shards of one worker must take the same inner steps. Use rounds=\"steps\" and "
+                             "sync_every_max=None there, or run the replicas without fault_tolerance")
         counts = list(units) if units is not None else [1] * len(params)
         if sum(counts) != len(params):
             raise ValueError(f"units={counts} cover {sum(counts)} parameters, not the {len(params)} given")

@@ -20,6 +20,8 @@ algorithm it extends:
   this rank's shard is averaged over the replicas and the outer step runs on the shard. Global weights, outer
   momentum and residuals are held per shard (1/S of the unsharded amount); fragments are whole FSDP2 units. The
   replicas average flat: ``DiLoCoAlgorithm(hierarchical=True)`` is refused (leave it unset, or ``False``).
+  With ``rounds="time"`` or ``sync_every_max``, each report row is reduced over the shards of its replica first
+  (the replica's slowest step time, its tokens), so every shard of a replica takes the same inner steps.
   With ``DiLoCoAlgorithm(fault_tolerance=...)`` each replica is a job of its own that may fail alone (a ``(1, S)``
   mesh per worker): the shards are averaged over the round's live workers (:mod:`bagua.torch_api.fault.replica`).
 
@@ -137,6 +139,16 @@ class ShardedReplicas:
             if ranks == mine:
                 self.communicator: BaguaCommunicator = c
         shard_ranks = device_mesh[shard_dim].mesh.flatten().tolist()
+        #: DiLoCo's rounds by time and link rule: a communicator over this rank's replica (its shards), over which
+        #: each report row is reduced, so that every shard of a replica plans the same inner steps
+        self.shard_communicator: Optional[BaguaCommunicator] = None
+        paced = getattr(algorithm, "rounds", "steps") == "time" or getattr(algorithm, "sync_every_max",
+                                                                              None) is not None
+        if self.hook == "diloco" and self.fault is None and paced and len(shard_ranks) > 1:
+            for ranks in replica_groups(device_mesh.mesh, 1 - index):  # collective, in mesh order
+                c = own_communicator(ranks)
+                if rank in ranks:
+                    self.shard_communicator = c
         #: where this rank sits: (replica index, shard index) of (replicas, shards per replica)
         self.position = (self.communicator.rank(), shard_ranks.index(rank))
         self.mesh_shape = (len(mine), len(shard_ranks))
@@ -183,6 +195,7 @@ class ShardedReplicas:
             else:
                 self.driver = DiLoCoDriver(self.algorithm, "DiLoCo (sharded)", communicator=self.communicator,
                                            worker=worker)
+                self.driver.replica_shards = self.shard_communicator
             release_at_exit(self)
             if self.algorithm.warmup_steps == 0:
                 self._build_fragments()
