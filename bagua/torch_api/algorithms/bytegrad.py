@@ -57,6 +57,7 @@ import torch
 
 from bagua.torch_api.algorithms.checks import check_bool, check_choice
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from bagua.torch_api.algorithms.fault_steps import FaultTolerantStepsImpl, check_fault_tolerance
 from bagua.torch_api.algorithms.nonfinite import (
     NONFINITE_POLICIES,
     FiniteVerdicts,
@@ -77,6 +78,8 @@ from bagua.torch_api.ops.compressed import (
     check_codec,
 )
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
+from bagua.torch_api.codecs.registry import GlobalCodecRegistry
+from bagua.torch_api.fault.replica import FaultTolerance
 
 __all__ = [
     "SEGMENT",
@@ -198,6 +201,10 @@ class ByteGradAlgorithm(Algorithm):
             :data:`~bagua.torch_api.codecs.block.DEFAULT_BLOCK`).
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, with error feedback: the residuals follow its
             scale changes (module docstring). Not needed otherwise.
+        fault_tolerance: a :class:`~bagua.torch_api.fault.replica.FaultTolerance`: this process is one worker of
+            a job whose workers fail alone; each step's gradients are encoded once with ``codec`` (a block codec:
+            ``"uint8"`` or ``"uint4"``), all-gathered over that step's live workers and averaged
+            (docs/fault_tolerance.md, "Synchronous jobs"); non-finite contributions are left out of the round.
 
     Example:
         >>> from bagua.torch_api.algorithms import bytegrad
@@ -214,6 +221,7 @@ class ByteGradAlgorithm(Algorithm):
     codec: str = "chunk"
     block_size: int = DEFAULT_BLOCK
     grad_scaler: Optional[Any] = None
+    fault_tolerance: Optional[FaultTolerance] = None
 
     def __post_init__(self) -> None:
         for name in ("hierarchical", "average", "error_feedback"):
@@ -226,6 +234,21 @@ class ByteGradAlgorithm(Algorithm):
         if self.grad_scaler is not None and not self.error_feedback:
             warnings.warn("ByteGradAlgorithm(grad_scaler=...) only rescales error-feedback residuals; without "
                           "error_feedback=True it does nothing (GradScaler works without it)", stacklevel=3)
+        if self.fault_tolerance is not None:
+            check_fault_tolerance("ByteGradAlgorithm", self.fault_tolerance, self.average)
+            if GlobalCodecRegistry.get(self.codec).block_codec is None:
+                raise ValueError(f"ByteGradAlgorithm(fault_tolerance=..., codec={self.codec!r}): the live workers' "
+                                 "gradients are all-gathered, which needs a block codec; pass codec='uint8' (8 "
+                                 "bits, one min/max per block) or codec='uint4'")
+            if self.grad_scaler is not None:
+                raise ValueError("ByteGradAlgorithm(fault_tolerance=..., grad_scaler=...) is not supported yet: "
+                                 "a step over the live workers leaves non-finite contributions out instead; drop "
+                                 "grad_scaler (or use bf16 autocast, which needs no scaler)")
 
-    def reify(self, process_group: BaguaProcessGroup) -> ByteGradAlgorithmImpl:
-        return ByteGradAlgorithmImpl(process_group, **self.hyperparameters())
+    def reify(self, process_group: BaguaProcessGroup) -> "ByteGradAlgorithmImpl | FaultTolerantStepsImpl":
+        if self.fault_tolerance is not None:
+            return FaultTolerantStepsImpl(process_group, self.fault_tolerance, "ByteGradAlgorithm",
+                                          codec=self.codec, block_size=self.block_size,
+                                          error_feedback=self.error_feedback)
+        hyper = {k: v for k, v in self.hyperparameters().items() if k != "fault_tolerance"}
+        return ByteGradAlgorithmImpl(process_group, **hyper)

@@ -7,12 +7,14 @@ all their gradients are ready, while backward goes on.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import ClassVar, Optional, Union
 
 from bagua.torch_api.algorithms.checks import check_bool
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
+from bagua.torch_api.algorithms.fault_steps import FaultTolerantStepsImpl, check_fault_tolerance
 from bagua.torch_api.bucket import BaguaBucket
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
+from bagua.torch_api.fault.replica import FaultTolerance
 
 __all__ = ["GradientAllReduceAlgorithm", "GradientAllReduceAlgorithmImpl"]
 
@@ -41,6 +43,9 @@ class GradientAllReduceAlgorithm(Algorithm):
         hierarchical: reduce inside each node, allreduce among node leaders, broadcast inside each node; this
             sends less over the slow inter-node network when there are several ranks per node.
         average: average the gradients (True) or sum them (False).
+        fault_tolerance: a :class:`~bagua.torch_api.fault.replica.FaultTolerance`: this process is one worker of
+            a job whose workers fail alone; each step's gradients are averaged over that step's live workers
+            (docs/fault_tolerance.md, "Synchronous jobs").
 
     Example:
         >>> from bagua.torch_api.algorithms import gradient_allreduce
@@ -52,10 +57,15 @@ class GradientAllReduceAlgorithm(Algorithm):
 
     hierarchical: bool = False
     average: bool = True
+    fault_tolerance: Optional[FaultTolerance] = None
 
     def __post_init__(self) -> None:
         for name in ("hierarchical", "average"):
             check_bool(type(self).__name__, name, getattr(self, name))
+        if self.fault_tolerance is not None:
+            check_fault_tolerance(type(self).__name__, self.fault_tolerance, self.average)
 
-    def reify(self, process_group: BaguaProcessGroup) -> GradientAllReduceAlgorithmImpl:
+    def reify(self, process_group: BaguaProcessGroup) -> Union[GradientAllReduceAlgorithmImpl, FaultTolerantStepsImpl]:
+        if self.fault_tolerance is not None:
+            return FaultTolerantStepsImpl(process_group, self.fault_tolerance, type(self).__name__)
         return GradientAllReduceAlgorithmImpl(process_group, hierarchical=self.hierarchical, average=self.average)

@@ -88,6 +88,8 @@ class ByteGradState:
         block_size: elements per block of ``"uint8"``/``"uint4"`` (even).
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, with error feedback: when its scale changes the
             residuals (kept in units of scaled gradients) are multiplied by ``new_scale / old_scale``.
+        fault_tolerance: not supported yet (torch DDP needs one torch world over every worker, which dies with one
+            of them): a ``ValueError`` says what to use instead (docs/fault_tolerance.md, "Synchronous jobs").
 
     Attributes (stats, read them at any time): ``iter`` (backward passes that communicated), ``buckets`` (buckets
     averaged), ``bytes_sent`` (bytes this rank sent), ``nonfinite_buckets`` (buckets whose result held NaN/Inf).
@@ -108,7 +110,12 @@ class ByteGradState:
     )
 
     def __init__(self, process_group: Any = None, error_feedback: bool = False, codec: str = "chunk",
-                 block_size: int = DEFAULT_BLOCK, grad_scaler: Any = None) -> None:
+                 block_size: int = DEFAULT_BLOCK, grad_scaler: Any = None, fault_tolerance: Any = None) -> None:
+        if fault_tolerance is not None:
+            raise ValueError("ByteGradState(fault_tolerance=...): the DDP comm hook does not outlive a dead replica "
+                             "yet (torch DDP needs one torch world over every worker); use with_bagua with "
+                             "ByteGradAlgorithm(codec='uint8', fault_tolerance=ft) or "
+                             "GradientAllReduceAlgorithm(fault_tolerance=ft), one process per worker")
         check_bool("ByteGradState", "error_feedback", error_feedback)
         codec = check_codec("ByteGradState", codec, block_size)  # an alias ("minmax_uint8", "MinMaxUInt8") -> "chunk"
         self.process_group = process_group

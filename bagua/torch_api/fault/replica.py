@@ -237,6 +237,12 @@ class FaultTolerance(MemberCollectives):
         instead: it heals from a source, and the returned round says so (``healed``). An error while healing is
         recorded (see :meth:`should_commit`); settings that differ raise :class:`SettingsDiffer`.
         """
+        return self.enter_round(self.agree(round, part))
+
+    def agree(self, round: int, part: int) -> Quorum:
+        """Only the agreement of :meth:`start_round` (waits on the coordinator; no group, no heal, nothing of the
+        model read or written), so it may run on a thread while the model computes; :meth:`enter_round` then
+        starts the round on that quorum."""
         while True:
             try:
                 quorum = self._lead_quorum(self._admitted if self._joining else lambda: self.quorums.wait(
@@ -249,6 +255,11 @@ class FaultTolerance(MemberCollectives):
                 _log.warning("worker %r was left out of a round (it stalled past the deadline); joining again",
                              self.worker)
                 self._joining = True
+        return quorum
+
+    def enter_round(self, quorum: Quorum) -> Round:
+        """Start the round on ``quorum`` (from :meth:`agree`): check the settings, get the members' group, heal
+        whoever is behind; return this worker's :class:`Round` (see :meth:`start_round`)."""
         differ = {m.id: m.settings for m in quorum.members if m.settings != self._full_settings()}
         if differ:
             raise SettingsDiffer(f"worker {self.worker!r} runs with {self._full_settings()}, but {differ}: every "

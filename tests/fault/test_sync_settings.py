@@ -1,0 +1,34 @@
+"""What fault-tolerant synchronous training refuses, before anything is built, and what the message says to do."""
+
+from __future__ import annotations
+
+import pytest
+
+from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
+from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+from bagua.torch_api.contrib.ddp_hooks import ByteGradState
+from bagua.torch_api.fault import FaultTolerance
+
+
+@pytest.fixture()
+def ft():
+    return object.__new__(FaultTolerance)  # only its type is checked here: no coordinator
+
+
+def test_allreduce_takes_a_fault_tolerance_and_averages(ft):
+    with pytest.raises(ValueError, match="takes a bagua.torch_api.fault.FaultTolerance"):
+        GradientAllReduceAlgorithm(fault_tolerance="127.0.0.1:29600")
+    with pytest.raises(ValueError, match="use average=True"):
+        GradientAllReduceAlgorithm(fault_tolerance=ft, average=False)
+    assert GradientAllReduceAlgorithm(fault_tolerance=ft).fault_tolerance is ft
+
+
+def test_bytegrad_needs_a_block_codec(ft):
+    with pytest.raises(ValueError, match="codec='uint8'"):
+        ByteGradAlgorithm(fault_tolerance=ft)  # the default, "chunk", is a scatter-reduce over a fixed group
+    assert ByteGradAlgorithm(fault_tolerance=ft, codec="uint4").codec == "uint4"
+
+
+def test_ddp_hook_says_what_to_use(ft):
+    with pytest.raises(ValueError, match="use with_bagua with ByteGradAlgorithm"):
+        ByteGradState(fault_tolerance=ft)
