@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from bagua.torch_api.algorithms.bytegrad import ByteGradAlgorithm
 from bagua.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 from bagua.torch_api.contrib.ddp_hooks import ByteGradState
 from bagua.torch_api.fault import FaultTolerance
+from tests.harness import run_workers
 
 
 @pytest.fixture()
@@ -32,3 +34,25 @@ def test_bytegrad_needs_a_block_codec(ft):
 def test_ddp_hook_says_what_to_use(ft):
     with pytest.raises(ValueError, match="use with_bagua with ByteGradAlgorithm"):
         ByteGradState(fault_tolerance=ft)
+
+
+def _sharded_worker(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.sharded.common import model as _model
+    from tests.sharded.test_sharded_replicas import _shard
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+    model = _shard(_model(), mesh["shard"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    algorithm = GradientAllReduceAlgorithm(fault_tolerance=object.__new__(FaultTolerance))
+    try:
+        model.with_bagua([optimizer], algorithm, device_mesh=mesh, replicate_dim="replicate")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_sharded_replicas_say_what_to_use():
+    for message in run_workers(_sharded_worker, 2, timeout=120):
+        assert message is not None and "is not supported yet" in message and "DiLoCoAlgorithm" in message, message

@@ -118,6 +118,11 @@ class ShardedReplicas:
                              "GradScaler skips the step everywhere")
         index, shard_dim = check_mesh(device_mesh, replicate_dim)
         self.fault = getattr(algorithm, "fault_tolerance", None)
+        if self.fault is not None and self.hook != "diloco":
+            raise ValueError(f"{type(algorithm).__name__}(fault_tolerance=...) on sharded replicas (device_mesh=...) "
+                             "is not supported yet: use it on whole-model workers (with_bagua without "
+                             "device_mesh, one process per worker), or DiLoCoAlgorithm(fault_tolerance=...) on "
+                             "sharded replicas")
         if self.fault is not None and device_mesh.mesh.shape[index] != 1:
             raise ValueError(f"DiLoCoAlgorithm(fault_tolerance=...) with device_mesh=...: each worker is one replica "
                              f"(its own job; the replicas are the workers), but the mesh's {replicate_dim!r} "
