@@ -85,6 +85,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--iface", default="lo", help="interface whose tx bytes are counted")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--go-file", default=None, help="after the warm-up, write GO_FILE.ready<rank> and wait for "
+                                                   "GO_FILE to exist before the timed steps (a driver reshapes "
+                                                   "the link in between: benchmarks.to_target.one_megabit)")
     p.add_argument("--out", required=True, help="results go to OUT.rank<r>.json")
     args = p.parse_args(argv)
     if args.batch_size is None:
@@ -126,6 +129,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     train_start = time.perf_counter()
     for i, (x, y) in enumerate(batches):
         if i == args.warmup:
+            if args.go_file:
+                _wait_for_go(args.go_file, rank)
             dist.barrier()
             tx_start = read_tx_bytes(args.iface)
             if system.timer is not None:
@@ -156,6 +161,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
         "notes": system.notes,
     }
     return _write(args, result)
+
+
+def _wait_for_go(go_file: str, rank: int, timeout_s: float = 900.0) -> None:
+    """Say this rank finished its warm-up (``go_file.ready<rank>``), then wait until ``go_file`` exists."""
+    import os
+    with open(f"{go_file}.ready{rank}", "w"):
+        pass
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(go_file):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{go_file} did not appear within {timeout_s:.0f} s; the driver that reshapes "
+                               "the link must create it once every rank is ready")
+        time.sleep(0.05)
 
 
 def _write(args: argparse.Namespace, result: dict) -> dict:
