@@ -262,8 +262,9 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
             (:mod:`bagua.torch_api.ops.diloco_async`). Call ``model.bagua_ddp.close()`` (``DiLoCoOptimizer.close()``)
             on every rank when training ends: all then hold the same final global weights. A ``compression``
             codec compresses both directions (error feedback up, the server's mirror of each worker's copy down).
-            Needs ``fragments=1``, ``overlap_steps=0``, the default outer optimizer and no ``fault_tolerance``; it
-            checkpoints only after ``close()`` (yet). Default ``False``.
+            Needs ``fragments=1``, ``overlap_steps=0`` and the default outer optimizer; it checkpoints only after
+            ``close()`` (yet). With ``fault_tolerance`` every worker applies every arrival in the order the
+            coordinator's store gives them (:mod:`bagua.torch_api.ops.diloco_async_ft`). Default ``False``.
         rounds: ``"steps"`` (default: every worker takes ``sync_every`` inner steps per round) or ``"time"``
             (workers of different speeds: each round, the fastest worker takes ``sync_every`` steps and a slower
             one ``round(sync_every * t_fastest / t_own)``, from the compute seconds per step each measured last

@@ -73,8 +73,6 @@ def check_fault_tolerance(hyper: Any, owner: str) -> None:
     unsupported = {
         "overlap_steps": (hyper.overlap_steps, 0, "a round is retried from its pseudo-gradient, run inline"),
         "warmup_steps": (hyper.warmup_steps, 0, "a warm-up averages gradients over a fixed world"),
-        "asynchronous": (getattr(hyper, "asynchronous", False), False, "asynchronous rounds go through a server on "
-                         "the first rank of a torch world, not (yet) through the coordinator"),
     }
     for name, (value, needed, why) in unsupported.items():
         if value != needed:

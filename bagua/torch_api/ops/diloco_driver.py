@@ -49,6 +49,7 @@ from bagua.torch_api.codecs.workspace import make_workspace
 from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.ops.diloco import Fragment, due_fragments, split_fragments, sync_offsets
 from bagua.torch_api.ops.diloco_async import AsyncDiLoCo
+from bagua.torch_api.ops.diloco_async_ft import AsyncFaultTolerant
 from bagua.torch_api.ops.diloco_exchange import MemberResiduals, OverRanks
 from bagua.torch_api.ops.diloco_fault_rounds import FaultRounds
 from bagua.torch_api.ops.diloco_outer import resolve_outer
@@ -107,7 +108,12 @@ class DiLoCoDriver(FaultRounds, PacedRounds):
         self._loaded: Optional[dict[str, torch.Tensor]] = None  # a checkpoint waiting for the fragments
         #: asynchronous DiLoCo (``asynchronous=True``): each pseudo-gradient applied on arrival, by a server
         self.asynchronous = AsyncDiLoCo(self.hyper, (group if communicator is None else communicator).ranks,
-                                        owner) if getattr(hyper, "asynchronous", False) else None
+                                        owner) if getattr(hyper, "asynchronous", False) and fault is None else None
+        if getattr(hyper, "asynchronous", False) and fault is not None:  # ordered by the coordinator's store
+            if fault.ranks is not None:
+                raise ValueError(f"{owner}(asynchronous=True, fault_tolerance=...) runs one process per worker, not "
+                                 "sharded workers (FSDP2) yet; use asynchronous=False there")
+            self.asynchronous = AsyncFaultTolerant(self.hyper, fault, owner)
         #: rounds by time and the link rule (inactive by default: today's schedule)
         self.pace = Pace(hyper)
         # stats
@@ -171,7 +177,9 @@ class DiLoCoDriver(FaultRounds, PacedRounds):
         weights), then, with fault tolerance, :meth:`join` the job (``optimizer``: the inner one, which heals
         too)."""
         self.build(params, units, unit_bytes)
-        if self.fault is not None:  # the first worker's weights, or a live peer's state
+        if isinstance(self.asynchronous, AsyncFaultTolerant):  # joined in build(): resume its own rounds' steps
+            self.steps = self.processed = self.asynchronous.resume_steps
+        elif self.fault is not None:  # the first worker's weights, or a live peer's state
             self.join(optimizer)
 
     def after_steps(self, begin: Callable[[], None]) -> None:
