@@ -4,7 +4,9 @@ It trains ``make_model(index)`` through ``with_bagua`` and ``GradientAllReduceAl
 (``--algorithm bytegrad``: ``ByteGradAlgorithm(codec="uint8", error_feedback=True, fault_tolerance=...)``), AdamW,
 one process per worker (a one-process Bagua job each), on ``batch(index, step)`` at the job's step. ``--die step:S``
 SIGKILLs it before its step S, ``--die exchange:N`` at the start of its N-th collective over a round's members (the
-peers already in it). At the end it saves its weights, optimizer state, counters and statistics to ``--out``.
+peers already in it). ``--hold DIR``: a restarted worker writes ``DIR/arrived`` before its first step, and the
+others wait for it before their step ``--hold-step`` (a loaded machine may take longer to restart a worker than
+the job to end). At the end it saves its weights, optimizer state, counters and statistics to ``--out``.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ def main() -> None:
     ap = worker_parser()
     ap.add_argument("--algorithm", choices=["allreduce", "bytegrad"], default="allreduce")
     ap.add_argument("--lr", type=float, default=0.01)
+    ap.add_argument("--hold", default="")
+    ap.add_argument("--hold-step", type=int, default=10)
     args = ap.parse_args()
 
     import bagua.torch_api as bagua
@@ -43,10 +47,15 @@ def main() -> None:
     model = model.with_bagua([opt], algorithm)
     steps = model.bagua_ddp.impl.steps
     restarted = os.environ.get("BAGUA_TEST_RESTARTED") == "1"
+    arrived = os.path.join(args.hold, "arrived") if args.hold else ""
+    if arrived and restarted:
+        open(arrived, "w").close()
     while steps.steps < args.steps:
         step = steps.steps + 1
         if kind == "step" and step == int(at) and not restarted:
             _die()
+        while arrived and step >= args.hold_step and not os.path.exists(arrived):
+            time.sleep(0.05)
         x, y = batch(args.index, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()

@@ -40,7 +40,7 @@ def _spawn(i: int, port: int, workers: int, steps: int, out: Path, extra: list[s
 
 
 def _job(tmp_path: Path, workers: int, steps: int, extra: dict[int, list[str]], common: list[str],
-         timeout_s: float = 120.0) -> list[dict]:
+         timeout_s: float = 240.0) -> list[dict]:
     """Run the job; restart (once, without its ``--die``) a worker that was SIGKILLed; return what each saved."""
     port = _free_port()
     coordinator = start_coordinator("127.0.0.1", port)
@@ -129,7 +129,7 @@ def test_bytegrad_step_within_the_codec_bound(tmp_path):
 def test_replica_killed_mid_exchange_and_restarted(tmp_path, algorithm):
     steps = 24
     results = _job(tmp_path, 3, steps, {1: ["--die", "exchange:6"]},
-                   ["--step-s", "0.25", "--algorithm", algorithm])
+                   ["--step-s", "0.1", "--algorithm", algorithm, "--hold", str(tmp_path)])
     _identical(results, steps)
     survivors = [results[0], results[2]]
     assert all(r["stats"]["retries"] >= 1 for r in survivors), [r["stats"] for r in results]
