@@ -206,6 +206,7 @@ class DiLoCoSettings:
     speed_tolerance: float = 0.1
     sync_every_max: Optional[int] = None
     max_exchange_share: float = 0.1
+    eager: bool = False
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -235,6 +236,11 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
         overlap_steps: ``tau``, inner steps run while a fragment's exchange travels (less than
             ``sync_every``); 0 waits for it at once.
         overlap_alpha: with ``overlap_steps > 0``, the weights become ``alpha * x + (1 - alpha) * g``.
+        eager: with ``overlap_steps > 0``, eager updates (arXiv 2502.12996) instead of the merge: when a fragment's
+            exchange starts, the weights take the outer step with this rank's own pseudo-gradient standing in for
+            the average (``e``, on a copy of the outer state); when the average arrives, ``g`` takes the real
+            outer step and the weights move by ``g - e``, keeping the inner steps made meanwhile
+            (``overlap_alpha`` is then unused). Costs one more float32 copy of the weights. Default ``False``.
         compression: ``"none"`` (float32 allreduce), ``"bf16"``, ``"uint8"`` or ``"uint4"`` (block-wise min/max
             codes), ``"nf2"`` (2-bit codes about each block's mean and RMS; pass ``block_size=256``) or ``"topk"``
             (sparse: each block's largest 1/32 values, positions and 4-bit codes; ``block_size=256``): a name of

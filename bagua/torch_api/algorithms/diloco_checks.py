@@ -60,6 +60,11 @@ def check_settings(hyper: Any) -> None:
     check_number(owner, "overlap_alpha", hyper.overlap_alpha, 0.0, "weight of the local weights in the merge")
     if hyper.overlap_alpha > 1:
         raise ValueError(f"{owner}(overlap_alpha=...) must be in [0, 1], got {hyper.overlap_alpha!r}")
+    check_bool(owner, "eager", hyper.eager)
+    if hyper.eager and hyper.overlap_steps == 0:
+        raise ValueError(f"{owner}(eager=True) needs overlap_steps >= 1: eager updates stand in for an average that "
+                         "travels while inner steps run, and with overlap_steps=0 it arrives at once. Pass "
+                         "overlap_steps=tau (the inner steps that hide the exchange), or eager=False")
     check_int(owner, "block_size", hyper.block_size, 2, "elements per min/max block")
     if hyper.block_size & (hyper.block_size - 1):
         raise ValueError(f"{owner}(block_size=...) must be a power of two, got {hyper.block_size!r}")

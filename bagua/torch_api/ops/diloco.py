@@ -10,6 +10,14 @@ rank's weights after its inner steps::
     x     = g                           (tau = 0)
     x     = alpha * x + (1 - alpha) * g (tau > 0: x made tau more inner steps while avg travelled)
 
+Eager updates (``eager=True``, after arXiv 2502.12996) instead stand in for the average while it travels with this
+rank's own pseudo-gradient, then correct once it arrives::
+
+    e     = OuterOptimizer(g, grad=delta) on a copy of the outer state   (when the exchange starts)
+    x     = e                                                            (then tau inner steps move x on)
+    g     = OuterOptimizer(g, grad=avg)                                  (when avg arrives)
+    x     = x + (g - e)
+
 Fragments (Streaming DiLoCo, https://arxiv.org/abs/2501.18512) split the parameters, in model order, into groups
 of about equal bytes; fragment ``p`` of ``F`` starts its exchange at the inner steps ``s`` with
 ``s % H == offset(p) % H``, ``offset(p) = round((p + 1) * H / F)``, so the fragments take turns at evenly spaced
@@ -96,7 +104,8 @@ class Fragment:
         offload: keep the global weights and the outer optimizer's state in (pinned, with CUDA) CPU memory.
     """
 
-    __slots__ = ("index", "params", "numel", "device", "global_", "outer", "delta", "grad", "workspace", "pending")
+    __slots__ = ("index", "params", "numel", "device", "global_", "outer", "delta", "grad", "workspace", "pending",
+                 "eager")
 
     def __init__(self, index: int, params: list[torch.nn.Parameter], outer_factory: OuterFactory,
                  offload: bool = False) -> None:
@@ -116,6 +125,7 @@ class Fragment:
         self.grad = self.delta if home == self.device else torch.empty_like(self.global_, pin_memory=pin)
         self.workspace: Optional[Any] = None  # the codec's buffers and error-feedback residuals (either exchange)
         self.pending: Optional[tuple[int, object]] = None  # (finish step, job) of an exchange in flight
+        self.eager: Optional[torch.Tensor] = None  # with eager updates: the stand-in global weights (built on use)
 
     def _views(self, flat: torch.Tensor):
         offset = 0
@@ -144,9 +154,42 @@ class Fragment:
             return over.average(self.delta)
         return over.compressed_average(self, compression, block_size, error_feedback)
 
-    def finish(self, timeout_s: float, alpha: float, owner: str) -> None:
+    @torch.no_grad()
+    def eager_step(self, stand_in: Optional[torch.Tensor] = None) -> None:
+        """Stand in for the average about to travel with this rank's own pseudo-gradient (in :attr:`delta`, read
+        before the exchange starts): take the outer step on copies of the global weights and the outer state, keep
+        the result in :attr:`eager` and set the local weights to it. The global weights and the outer state are left
+        as they were (the same on every rank, bit for bit) for the outer step with the average, after which
+        :meth:`outer_step` (``eager=True``) moves the local weights by ``global - eager``. ``stand_in``: what
+        stands in for the average instead of :attr:`delta` (a simulation's other choices)."""
+        g = self.global_
+        if self.eager is None:
+            self.eager = torch.empty_like(g)
+        saved = g.clone()
+        state = self.outer.state[g] if g in self.outer.state else None
+        if state is not None:  # the trial step runs on a copy: the real one takes the average later
+            self.outer.state[g] = {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+        if stand_in is not None:
+            g.grad = stand_in
+        else:
+            if self.grad is not self.delta:
+                self.grad.copy_(self.delta)
+            g.grad = self.grad
+        self.outer.step()
+        g.grad = None
+        self.eager.copy_(g)
+        g.copy_(saved)
+        if state is None:
+            self.outer.state.pop(g, None)
+        else:
+            self.outer.state[g] = state
+        for p, view in self._views(self.eager):
+            p.copy_(view)
+
+    def finish(self, timeout_s: float, alpha: float, owner: str, eager: bool = False) -> None:
         """Wait for the exchange in flight (if any), check the average is finite (the same verdict on every rank:
-        they hold the same bytes) and take the outer step; ``owner`` names the caller in the error."""
+        they hold the same bytes) and take the outer step (``eager``: correct an :meth:`eager_step`); ``owner``
+        names the caller in the error."""
         assert self.pending is not None
         _, job = self.pending
         if job is not None:
@@ -158,24 +201,33 @@ class Fragment:
                 "weights diverged during the inner steps; the global weights were left as they were. Lower the inner "
                 "learning rate, clip gradients, or use torch.amp.GradScaler (which skips non-finite steps)"
             )
-        self.outer_step(alpha)
+        self.outer_step(alpha, eager)
 
     @torch.no_grad()
-    def outer_step(self, alpha: float = 0.0) -> None:
+    def outer_step(self, alpha: float = 0.0, eager: bool = False) -> None:
         """Apply the outer optimizer to the global weights with the averaged pseudo-gradient in :attr:`delta`,
-        then set the local weights: ``x = g`` (``alpha = 0``) or ``x = alpha * x + (1 - alpha) * g``."""
+        then set the local weights: ``x = g`` (``alpha = 0``), ``x = alpha * x + (1 - alpha) * g``, or, after an
+        :meth:`eager_step` (``eager``), ``x = x + (g - e)`` with ``e`` its stand-in global weights."""
+        if eager and self.eager is None:
+            raise RuntimeError(f"DiLoCo fragment {self.index}: an eager outer step without its stand-in; the exchange "
+                               "was started (or checkpointed) with eager=False: resume with the setting it ran with")
         if self.grad is not self.delta:
             self.grad.copy_(self.delta)
         self.global_.grad = self.grad
         self.outer.step()
         self.global_.grad = None
-        if self.global_.device != self.device:
-            self.delta.copy_(self.global_, non_blocking=True)
+        if eager:  # the correction g - e, exact in float32 (negation rounds nothing)
+            self.eager.sub_(self.global_).neg_()
+        target = self.eager if eager else self.global_
+        if target.device != self.device:
+            self.delta.copy_(target, non_blocking=True)
             source = self.delta
         else:
-            source = self.global_
+            source = target
         for p, view in self._views(source):
-            if alpha == 0.0:
+            if eager:
+                p.add_(view.to(p.dtype))
+            elif alpha == 0.0:
                 p.copy_(view)
             else:
                 p.lerp_(view.to(p.dtype), 1.0 - alpha)
@@ -194,6 +246,8 @@ class Fragment:
             self.pending = (finish_step, None)  # the average is in self.delta
             state[f"{p}.pending_finish"] = torch.tensor(finish_step)
             state[f"{p}.pending_average"] = self.delta.detach().clone()
+            if self.eager is not None:
+                state[f"{p}.pending_eager"] = self.eager.detach().clone()
         for key, value in self.outer.state.get(self.global_, {}).items():
             if torch.is_tensor(value):
                 state[f"{p}.outer.{key}"] = value.detach().clone()
@@ -221,3 +275,5 @@ class Fragment:
         if f"{p}.pending_finish" in state:
             self.delta.copy_(state[f"{p}.pending_average"])
             self.pending = (int(state[f"{p}.pending_finish"]), None)
+            if f"{p}.pending_eager" in state:
+                self.eager = state[f"{p}.pending_eager"].to(self.global_.device).clone()

@@ -246,6 +246,9 @@ class DiLoCoDriver(FaultRounds, PacedRounds):
         delta = fragment.pseudo_gradient()
         if self.pace.active:
             self.pace.started_in[fragment.index] = self.pace.round
+        if getattr(self.hyper, "eager", False):  # the local stand-in, before the exchange averages delta in place
+            self._warm_outer_lr(fragment, finish_step - self.hyper.overlap_steps)
+            fragment.eager_step()
         if self.fault is not None:  # inline, over the round's live workers
             if not self._fault_round(fragment):
                 return False
@@ -279,17 +282,18 @@ class DiLoCoDriver(FaultRounds, PacedRounds):
     def _finish(self, fragment: Fragment) -> None:
         self._warm_outer_lr(fragment)
         fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
-                        self.owner)
+                        self.owner, eager=getattr(self.hyper, "eager", False))
         self.syncs += 1
 
-    def _warm_outer_lr(self, fragment: Fragment) -> None:
+    def _warm_outer_lr(self, fragment: Fragment, started: Optional[int] = None) -> None:
         """With ``outer_lr_warmup=W`` and the default outer SGD: the fragment's ``k``-th outer step (from 0) takes
         ``outer_lr * min(1, (k + 1) / W)``. ``k`` comes from the step its exchange started at (the fragment starts
         at its offset, then every ``sync_every`` steps), which checkpoints and heals restore, so a resumed run
-        ramps as an uninterrupted one."""
+        ramps as an uninterrupted one. ``started``: that step, before the exchange is pending (an eager step)."""
         warmup = getattr(self.hyper, "outer_lr_warmup", 0)
         if warmup and self.hyper.outer_optimizer is None:
-            started = fragment.pending[0] - self.hyper.overlap_steps
+            if started is None:
+                started = fragment.pending[0] - self.hyper.overlap_steps
             k = (started - self._offsets[fragment.index]) // self.hyper.sync_every
             if self.pace.active:  # rounds of changing length: the round the exchange started in
                 k = self.pace.started_in.get(fragment.index, self.pace.round)
