@@ -13,7 +13,13 @@ training thread waited for the agreement after the backward (the part of the agr
 agreement's own median time. The quorum's cost is ``ft / plain - 1`` of the step (goal: <= 3 %). ``--repeats``
 pairs, the order alternating; the machine's load average is printed beside every figure.
 
+``--kill-every K``: instead, an ``ft`` job in which a worker (w1, w2, ..., in turn) SIGKILLs itself before every
+``K``-th job step (not in the last ``K / 2``) and is restarted at once (it heals from a live peer and rejoins):
+its wall time for the same steps against the failure-free ``ft`` job's, and the final training loss of both (a
+teacher's regression; the mean over the workers' last batches).
+
     .venv/bin/python -m benchmarks.fault.sync_quorum --workers 2 --steps 80 --step-s 0.1 --repeats 2
+    .venv/bin/python -m benchmarks.fault.sync_quorum --workers 3 --steps 250 --step-s 0.05 --kill-every 100
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -84,16 +91,19 @@ def _worker(args: argparse.Namespace) -> None:
         bagua.init_process_group(store=store, rank=args.rank, world_size=args.workers, local_world_size=1)
         algorithm = GradientAllReduceAlgorithm()
     model = model.with_bagua([opt], algorithm)
-    g = torch.Generator().manual_seed(args.rank)
-    times = []
-    for _ in range(args.steps):
-        x, y = torch.randn(32, args.dim, generator=g), torch.randn(32, args.dim, generator=g)
-        started = time.perf_counter()
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-        times.append(time.perf_counter() - started)
-    out: dict[str, Any] = {"times": times}
+    teacher = torch.nn.Linear(args.dim, args.dim)
+    torch.nn.init.normal_(teacher.weight, std=args.dim ** -0.5)
+    times: list = []
+    try:
+        _train(args, model, opt, ft, teacher, times)
+    except Exception as exc:  # a worker restarted after the job's last step is told so: not a failure here
+        from bagua.torch_api.fault import JobEnded
+
+        if not isinstance(exc, JobEnded):
+            raise
+        times.clear()
+    out: dict[str, Any] = {"times": times, "loss": times[-1][1] if times else None}
+    times[:] = [t for t, _ in times]
     if ft is not None:
         steps = model.bagua_ddp.impl.steps
         out.update(wait=steps.wait_seconds, agree=steps.agree_seconds, retries=ft.retries)
@@ -101,9 +111,34 @@ def _worker(args: argparse.Namespace) -> None:
     Path(args.out).write_text(json.dumps(out))
 
 
-def run_job(mode: str, workers: int, steps: int, step_s: float, dim: int, hidden: int,
-            timeout_s: float = 600.0) -> list[dict[str, Any]]:
-    """Run one job of ``workers`` processes in ``mode`` (``"plain"`` or ``"ft"``); return each worker's record."""
+def _train(args: argparse.Namespace, model: Any, opt: Any, ft: Any, teacher: Any, times: list) -> None:
+    """The training loop: append ``(step seconds, loss)`` per step to ``times``."""
+    import torch
+
+    for i in range(args.steps):
+        step = model.bagua_ddp.impl.steps.steps + 1 if ft is not None else i + 1
+        if step > args.steps:
+            break
+        if (args.kill_every and step % args.kill_every == 0 and args.rank > 0
+                and step <= args.steps - args.kill_every // 2
+                and 1 + (step // args.kill_every - 1) % (args.workers - 1) == args.rank):
+            os.kill(os.getpid(), signal.SIGKILL)
+        g = torch.Generator().manual_seed(args.rank * 100003 + step)
+        x = torch.randn(32, args.dim, generator=g)
+        with torch.no_grad():
+            y = teacher(x)
+        started = time.perf_counter()
+        opt.zero_grad()
+        loss_t = torch.nn.functional.mse_loss(model(x), y)
+        loss_t.backward()
+        opt.step()
+        times.append((time.perf_counter() - started, float(loss_t.detach())))
+
+
+def run_job(mode: str, workers: int, steps: int, step_s: float, dim: int, hidden: int, kill_every: int = 0,
+            timeout_s: float = 600.0) -> tuple[list[dict[str, Any]], float]:
+    """Run one job of ``workers`` processes in ``mode`` (``"plain"`` or ``"ft"``; ``kill_every``: see the module
+    docstring); return each worker's record and the job's wall time."""
     from bagua.torch_api.fault.coordinator import start_coordinator
 
     port = _free_port()
@@ -111,15 +146,27 @@ def run_job(mode: str, workers: int, steps: int, step_s: float, dim: int, hidden
     with tempfile.TemporaryDirectory(prefix="bagua-sync-quorum-") as tmp:
         outs = [Path(tmp) / f"w{r}.json" for r in range(workers)]
         env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.fault.sync_quorum", "--role", "worker",
-                                   "--mode", mode, "--rank", str(r), "--workers", str(workers), "--port", str(port),
-                                   "--coordinator", f"127.0.0.1:{port}", "--steps", str(steps), "--step-s",
-                                   str(step_s), "--dim", str(dim), "--hidden", str(hidden), "--out", str(outs[r])],
-                                  cwd=ROOT, env=env) for r in range(workers)]
+
+        def spawn(r: int) -> subprocess.Popen:
+            return subprocess.Popen([sys.executable, "-m", "benchmarks.fault.sync_quorum", "--role", "worker",
+                                     "--mode", mode, "--rank", str(r), "--workers", str(workers), "--port",
+                                     str(port), "--coordinator", f"127.0.0.1:{port}", "--steps", str(steps),
+                                     "--step-s", str(step_s), "--dim", str(dim), "--hidden", str(hidden),
+                                     "--kill-every", str(kill_every), "--out", str(outs[r])], cwd=ROOT, env=env)
+
+        started = time.monotonic()
+        procs = [spawn(r) for r in range(workers)]
         try:
-            for p in procs:
-                if p.wait(timeout=timeout_s) != 0:
-                    raise RuntimeError(f"a {mode} worker exited with {p.returncode}")
+            while any(p.poll() is None for p in procs):
+                for r, p in enumerate(procs):
+                    if p.poll() == -signal.SIGKILL:
+                        procs[r] = spawn(r)  # its launcher restarts it at once
+                if time.monotonic() - started > timeout_s:
+                    raise RuntimeError(f"the {mode} job did not end within {timeout_s} s")
+                time.sleep(0.02)
+            wall = time.monotonic() - started
+            if any(p.returncode != 0 for p in procs):
+                raise RuntimeError(f"a {mode} worker exited with {[p.returncode for p in procs]}")
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -127,7 +174,7 @@ def run_job(mode: str, workers: int, steps: int, step_s: float, dim: int, hidden
             if coordinator is not None:
                 coordinator.kill()
                 coordinator.wait()
-        return [json.loads(o.read_text()) for o in outs]
+        return [json.loads(o.read_text()) for o in outs], wall
 
 
 def _median_step(records: list[dict[str, Any]], warmup: int) -> float:
@@ -149,9 +196,23 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=256)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--kill-every", type=int, default=0)
     args = ap.parse_args()
     if args.role == "worker":
         _worker(args)
+        return
+    if args.kill_every:
+        got = {}
+        for name, kill in (("failure_free", 0), ("killed", args.kill_every)):
+            load = _load()
+            records, wall = run_job("ft", args.workers, args.steps, args.step_s, args.dim, args.hidden, kill)
+            losses = [r["loss"] for r in records if r["loss"] is not None]  # None: it arrived after the end
+            got[name] = {"wall_s": wall, "loss": statistics.mean(losses), "load": load,
+                         "ended_before_rejoin": len(records) - len(losses)}
+            print(f"{name}: {wall:.1f} s for {args.steps} steps, final loss {got[name]['loss']:.4f} (load {load}); "
+                  f"workers restarted after the job's end: {got[name]['ended_before_rejoin']}", flush=True)
+        print(f"killed / failure-free wall time: {got['killed']['wall_s'] / got['failure_free']['wall_s']:.3f}")
+        print(json.dumps({"workers": args.workers, "steps": args.steps, "kill_every": args.kill_every, **got}))
         return
     rows = []
     for repeat in range(args.repeats):
@@ -159,7 +220,7 @@ def main() -> None:
         got: dict[str, Any] = {}
         for mode in order:
             load = _load()
-            records = run_job(mode, args.workers, args.steps, args.step_s, args.dim, args.hidden)
+            records, _ = run_job(mode, args.workers, args.steps, args.step_s, args.dim, args.hidden)
             got[mode] = _median_step(records, args.warmup)
             got[f"{mode}_load"] = load
             if mode == "ft":

@@ -22,7 +22,7 @@ also takes that step's average, which its next ``optimizer.step()`` applies in p
 were computed before it joined).
 
 Example:
-    >>> steps = SyncSteps(ft, params, optimizer)  # what GradientAllReduceAlgorithm(fault_tolerance=ft) builds  # doctest: +SKIP
+    >>> steps = SyncSteps(ft, params, optimizer)  # GradientAllReduceAlgorithm(fault_tolerance=ft)'s  # doctest: +SKIP
     >>> steps.before_forward(); loss(model(x)).backward(); steps.after_backward(); optimizer.step()  # doctest: +SKIP
 """
 
