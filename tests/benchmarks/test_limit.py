@@ -101,3 +101,20 @@ def test_workload_waits_at_the_go_file_before_its_timed_steps(tmp_path):
     with open(out + ".rank0.json") as f:
         result = json.load(f)
     assert result["timed_steps"] == 2 and result["warmup"] == 1
+
+
+def test_one_megabit_combines_steps_with_the_mean_step_and_projects_the_idle_compute():
+    ddp = {"system": "ddp", "mean_step_s": 440.0, "compute_s": 6.0, "step_times_s": [440.0]}
+    plain = {"system": "diloco:sync_every=10", "mean_step_s": 9.0, "compute_s": 5.0,
+             "step_times_s": [3.0] * 9 + [63.0]}  # mean 9.0, inner (median) 3.0: 6 s exposed a step
+    r = one_megabit.combine(plain, [600, 440, 520], ddp, [480, 520, 500], 0.5)
+    assert r["time_s"] == pytest.approx(520 * 9.0) and r["vs_ddp"] == pytest.approx(500 * 440 / (520 * 9))
+    assert r["limit_vs_ddp"] == pytest.approx(500 * 440 / (520 * 5.0)) and r["efficiency"] == pytest.approx(5 / 9)
+    # idle: DDP 0.5 + 434 s a step, DiLoCo 0.5 + 6 s
+    assert r["idle_vs_ddp"] == pytest.approx(500 * 434.5 / (520 * 6.5))
+    assert r["idle_efficiency"] == pytest.approx(0.5 / 6.5)
+    # overlapped: one fragment's exchange (30 s) behind 4 inner steps of 0.5 s, a fragment every 5 steps
+    stream = {"system": "diloco:sync_every=10:fragments=2:overlap_steps=4", "mean_step_s": 6.0, "compute_s": 5.5,
+              "step_times_s": [5.5] * 20}
+    s = one_megabit.combine(stream, [500], ddp, [500], 0.5, fragment_exchange_s=30.0)
+    assert s["idle_step_s"] == pytest.approx(0.5 + (30.0 - 2.0) / 5)
