@@ -29,6 +29,8 @@ def test_bytegrad_needs_a_block_codec(ft):
     with pytest.raises(ValueError, match="codec='uint8'"):
         ByteGradAlgorithm(fault_tolerance=ft)  # the default, "chunk", is a scatter-reduce over a fixed group
     assert ByteGradAlgorithm(fault_tolerance=ft, codec="uint4").codec == "uint4"
+    with pytest.raises(ValueError, match="left out of the step's round"):
+        ByteGradAlgorithm(fault_tolerance=ft, codec="uint8", nonfinite="raise")
 
 
 def test_ddp_hook_says_what_to_use(ft):

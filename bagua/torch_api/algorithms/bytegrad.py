@@ -240,6 +240,10 @@ class ByteGradAlgorithm(Algorithm):
                 raise ValueError(f"ByteGradAlgorithm(fault_tolerance=..., codec={self.codec!r}): the live workers' "
                                  "gradients are all-gathered, which needs a block codec; pass codec='uint8' (8 "
                                  "bits, one min/max per block) or codec='uint4'")
+            if self.nonfinite != "propagate":
+                raise ValueError(f"ByteGradAlgorithm(fault_tolerance=..., nonfinite={self.nonfinite!r}): under fault "
+                                 "tolerance a contribution that is not finite is left out of the step's round (and "
+                                 "its worker named in the log); leave nonfinite at its default")
             if self.grad_scaler is not None:
                 raise ValueError("ByteGradAlgorithm(fault_tolerance=..., grad_scaler=...) is not supported yet: "
                                  "a step over the live workers leaves non-finite contributions out instead; drop "
