@@ -7,13 +7,20 @@ that round:
 1. each arriving worker takes a slot in the quorum (``add`` on a counter) and writes who it is (a
    :class:`~bagua.torch_api.fault.records.Member` as JSON: id, round, whether it is joining, the samples it
    contributes);
-2. a non-joining member closes the quorum, by ``compare_set`` on one key so that exactly one list of members wins,
-   as soon as every live worker has arrived, or at its deadline with at least ``min_quorum`` members. A worker is
-   live while its heartbeat (a counter a thread of its own advances every ``heartbeat_s``) moves: a killed or
-   stopped worker stops counting and is not waited for after ``stale_s``;
-3. after the exchange each member reports ``ok`` or ``failed``; one member writes the verdict (``compare_set``
-   again): ``ok`` when no member failed and every member either reported or stopped beating, ``retry`` otherwise,
-   and the survivors run the round again in the next quorum.
+2. the first member that may close it (a non-joining one; any, in the job's first quorum) takes its *lead*
+   (:mod:`~bagua.torch_api.fault.lead`); the lead alone reads the slots and the heartbeats and closes the quorum, by
+   ``compare_set`` on one key so that exactly one list of members wins, as soon as every live worker has arrived,
+   or at its deadline with at least ``min_quorum`` members. A worker is live while its heartbeat (a counter a
+   thread of its own advances every ``heartbeat_s``) moves: a killed or stopped worker stops counting and is not
+   waited for after ``stale_s``. The other members block on one key, the lead's bell, which it rings once the
+   quorum is closed; a lead that dies is taken over by another member after ``stale_s``;
+3. after the exchange each member reports ``ok`` or ``failed``; the verdict is written once (``compare_set``
+   again): ``retry`` at once by a member that failed, ``ok`` by the last member to report, or by the lead when a
+   member stopped beating without reporting; the survivors of a ``retry`` run the round again in the next quorum.
+
+Each member thus makes a few store calls per round, and only the lead reads every slot: the coordinator's work
+grows with the number of workers, not with its square (see "How far one coordinator goes" in
+docs/fault_tolerance.md).
 
 Quorums are numbered ``1, 2, ...``; the members of quorum ``k`` go on to ``k + 1`` (the next round or a retry), a
 joiner to the one after the last closed. A worker that finds a quorum closed without it was left out: its state
@@ -35,8 +42,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import datetime
-import json
 import logging
 import statistics
 import threading
@@ -46,9 +51,11 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from bagua.torch_api.fault.admission import Admission
+from bagua.torch_api.fault.lead import Heartbeat, Lead
 from bagua.torch_api.fault.records import Member, Quorum
-from bagua.torch_api.fault.secret import NotAdmitted, Records
-from bagua.torch_api.fault.store import SealedKeys
+from bagua.torch_api.fault.secret import Records
+from bagua.torch_api.fault.store import connect_store
 
 __all__ = ["Quorums", "Excluded", "CoordinatorLost", "JobEnded", "connect_store"]
 
@@ -74,43 +81,7 @@ class JobEnded(RuntimeError):
     alone never closes a round, so there is nothing to join."""
 
 
-def connect_store(address: str, timeout_s: float, what: str) -> dist.TCPStore:
-    """A client of the coordinator's ``TCPStore`` at ``"host:port"``, with a clear error when it is not there."""
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"{what}: coordinator={address!r} must be 'host:port', e.g. '10.0.0.1:29600'")
-    try:
-        return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
-                             wait_for_workers=False)
-    except (RuntimeError, TimeoutError) as e:
-        raise RuntimeError(f"{what}: no coordinator answers at {address} within {timeout_s:g} s; start one with "
-                           f"`python -m bagua.torch_api.fault.coordinator --host {host} --port {port}` ({e})") from e
-
-
-class _Heartbeat(threading.Thread):
-    """Advance ``hb/<worker>`` every ``period_s`` on a store connection of its own, until stopped."""
-
-    def __init__(self, address: str, key: str, period_s: float, timeout_s: float) -> None:
-        super().__init__(name="bagua-ft-heartbeat", daemon=True)
-        self.store = connect_store(address, timeout_s, "heartbeat")
-        self.key, self.period_s = key, period_s
-        self.stopped = threading.Event()
-        self.store.add(key, 1)
-
-    def run(self) -> None:
-        beats = 1
-        while not self.stopped.wait(self.period_s):
-            beats += 1
-            try:
-                self.store.add(self.key, 1)
-            except Exception:  # noqa: BLE001 - junk written over the counter, or the coordinator is gone
-                try:
-                    self.store.set(self.key, str(beats))  # junk: beat again from a number
-                except Exception:  # noqa: BLE001 - the coordinator is gone: the worker's next store call says so
-                    return
-
-
-class Quorums(SealedKeys):
+class Quorums(Admission):
     """This worker's view of the job's quorums (see the module docstring).
 
     Args:
@@ -159,7 +130,7 @@ class Quorums(SealedKeys):
         self.store.delete_key(self._k(f"finished/{worker}"))  # a restarted worker takes part again
         registration = self._k(f"workers/{self.store.add(self._k('workers/n'), 1)}")
         self.store.set(registration, self.records.seal(registration, worker))
-        self.heartbeat = _Heartbeat(coordinator, self._k(f"hb/{worker}"), heartbeat_s, timeout_s)
+        self.heartbeat = Heartbeat(coordinator, self._k(f"hb/{worker}"), heartbeat_s, stale_s, timeout_s)
         self.heartbeat.start()
         atexit.register(self.close)  # a worker that raises stops beating before the interpreter is torn down
         # internal state
@@ -168,19 +139,29 @@ class Quorums(SealedKeys):
         self._seen: dict[str, tuple[int, float]] = {}  # worker -> (heartbeat, when it last moved), as seen here
         self._arrivals: list[float] = []  # when this worker arrived at its last rounds
         self._known: set[str] = set()  # ids this worker saw admitted (they only grow): no store read for them
+        self._registrations: dict[int, str] = {}  # registration number -> id, as read here (they never change)
+        self._live: tuple[int, float, set[str]] = (0, 0.0, set())  # the lead's last read: quorum, when, who was live
+        # the quorum whose slots were read here: (its key, slots not written yet, slots read, id -> (slot, member))
+        self._arrived_at: tuple[int, list[int], int, dict[str, tuple[int, Member]]] = (0, [], 0, {})
+        self._waited = False  # whether this process waited for a quorum yet
+        self._lead_of: tuple[int, Optional[Lead]] = (0, None)  # the last quorum this worker saw closed, its lead
 
     # -- who is alive ------------------------------------------------------------------------------------------
 
     def registered(self) -> list[str]:
-        """The ids of every worker that ever registered with the job."""
+        """The ids of every worker that ever registered with the job (each registration read once)."""
         n = int(self.store.add(self._k("workers/n"), 0))
-        ids = self._read([self._k(f"workers/{i}") for i in range(1, n + 1)])
-        return sorted({v for v in ids if v and "/" not in v})
+        new = [i for i in range(1, n + 1) if i not in self._registrations]
+        for i, v in zip(new, self._read([self._k(f"workers/{i}") for i in new])):
+            if v and "/" not in v:
+                self._registrations[i] = v
+        return sorted(set(self._registrations.values()))
 
-    def live(self) -> set[str]:
-        """The workers whose heartbeat moved within ``stale_s`` as seen from here (this worker always)."""
+    def live(self, among: Optional[set[str]] = None) -> set[str]:
+        """The workers whose heartbeat moved within ``stale_s`` as seen from here (this worker always); ``among``:
+        read only these workers' heartbeats (the others count as not live)."""
         now, alive = time.monotonic(), {self.worker}
-        ids = self.registered()
+        ids = [w for w in self.registered() if w != self.worker and (among is None or w in among)]
         beats = self.store.multi_get([self._k(f"hb/{w}") for w in ids]) if ids else []
         for w, raw in zip(ids, beats):
             value = self._parse(f"hb/{w}", raw.decode(errors="replace") or "0", int)
@@ -227,8 +208,12 @@ class Quorums(SealedKeys):
     def _wait(self, key: int, me: Member) -> Quorum:
         """Take a slot in quorum ``key`` as ``me`` (its ``id`` and ``incarnation`` filled in here) and return the
         closed quorum; raise :class:`Excluded` when it closed without this worker, ``TimeoutError`` past
-        ``timeout_s``."""
+        ``timeout_s``. The member that takes the quorum's lead closes it; the others wait on its bell (a joiner, who
+        never closes a round, polls the one closed record, and once a second whether the job has ended)."""
         me = dataclasses.replace(me, id=self.worker, incarnation=self.incarnation)
+        if not self._waited:
+            self._waited = True
+            self._bury_predecessor(key)
         slot = self.store.add(self._k(f"q/{key}/n"), 1)
         self._set(f"q/{key}/slot/{slot}", me.to_json())
         start = time.monotonic()
@@ -236,19 +221,33 @@ class Quorums(SealedKeys):
             self._arrivals = (self._arrivals + [start])[-8:]
         # no round succeeded yet: the job's start waits for every worker (a worker that saw one knows it)
         first = self.previous is None and self._get("started") is None
-        checked = start
+        lead = self._take_lead(key) if not me.joining or first else None
+        checked, rang = start, None
         while True:
+            if lead is not None and not self._mine(lead):  # a follower: its bell first, then the record
+                if rang not in (None, "dead"):
+                    _pause(start)  # woken, yet nothing to read: junk on the bell; poll
+                rang = self._follow(key, "closed", lead, start + self.timeout_s)
+                if rang == "dead":
+                    lead = self._take_lead(key, lead.raw)
             quorum = self._parse(f"q/{key}/closed", self._get(f"q/{key}/closed"), Quorum.from_json)
             if quorum is not None:
+                self._lead_of = (key, lead)
+                if self._mine(lead):
+                    self._ring(key, "closed", lead, "closed")
                 if self.worker not in quorum.ids:
                     self._raise_if_refused(key)
                     raise Excluded(f"worker {self.worker!r}: quorum {key} closed without it")
                 return quorum
-            if not me.joining or first:
-                self._maybe_close(key, start, first)
-            elif time.monotonic() - checked > 1.0:  # a joiner alone: has the job ended? (once a second)
-                checked = time.monotonic()
-                self._raise_if_ended(key)
+            if lead is not None and self._mine(lead):
+                if self._maybe_close(key, start, first):
+                    continue
+                _pause(start)
+            elif lead is None:
+                if time.monotonic() - checked > 1.0:  # a joiner alone: has the job ended? (once a second)
+                    checked = time.monotonic()
+                    self._raise_if_ended(key)
+                _pause(start)
             if time.monotonic() - start > self.timeout_s:
                 arrived = [m.id for m in self._arrived(key)]
                 need = self.workers if first else self.min_quorum
@@ -256,7 +255,6 @@ class Quorums(SealedKeys):
                     f"worker {self.worker!r}: quorum {key} did not close within {self.timeout_s:g} s: {arrived} "
                     f"arrived, {need} needed ({'the first quorum waits for every worker' if first else 'min_quorum'}); "
                     "start the missing workers, or lower min_quorum")
-            _pause(start)
 
     def _raise_if_ended(self, key: int) -> None:
         """Raise :class:`JobEnded` when every other worker that registered has finished (see :meth:`close`)."""
@@ -270,72 +268,47 @@ class Quorums(SealedKeys):
                 f"{key}). A joining worker alone never closes a round, so there is nothing to join: to train "
                 "further, start a new job (another coordinator or prefix=) from a checkpoint")
 
-    def _raise_if_refused(self, key: int) -> None:
-        """Raise :class:`NotAdmitted` when the job admitted ``max_workers`` distinct workers, this one not among
-        them (a quorum closed without it)."""
-        admitted = self._admitted()
-        if self.worker not in admitted and len(admitted) >= self.max_workers:
-            raise NotAdmitted(
-                f"worker {self.worker!r}: the job already admitted max_workers={self.max_workers} distinct workers "
-                f"({', '.join(sorted(admitted))}); quorum {key} closed without this one. Restart one of them under "
-                "its own id, or start every worker with a larger max_workers= to allow more")
-
-    def _admitted(self) -> set[str]:
-        """The ids the job admitted to a quorum so far (a sealed JSON list)."""
-        ids = self._parse("admitted", self._get("admitted"), json.loads)
-        admitted = {str(w) for w in ids} if isinstance(ids, list) else set()
-        self._known |= admitted
-        return admitted
-
-    def _admit(self, ids: list[str]) -> None:
-        """Add ``ids`` to the job's admitted workers (a compare-and-set loop: concurrent closers merge)."""
-        if set(ids) <= self._known:
-            return
-        full = self._k("admitted")
-        for _ in range(16):
-            raw = self._raw(full) if self.store.check([full]) else ""
-            known = self._admitted() if raw else set()
-            if set(ids) <= known:
-                return
-            merged = self.records.seal(full, json.dumps(sorted(known | set(ids))))
-            if self.store.compare_set(full, raw, merged).decode(errors="replace") == merged:
-                self._known |= known | set(ids)
-                return
-
     def _arrived(self, key: int) -> list[Member]:
+        """The members that took a slot in quorum ``key`` so far, in id order (each slot read once here)."""
+        at, pending, through, members = self._arrived_at
+        if at != key:
+            pending, through, members = [], 0, {}
         n = int(self.store.add(self._k(f"q/{key}/n"), 0))
-        members = {}
-        for i, raw in enumerate(self._read([self._k(f"q/{key}/slot/{i}") for i in range(1, n + 1)]), start=1):
-            m = self._parse(f"q/{key}/slot/{i}", raw, Member.from_json)  # None: a slot not written yet, or refused
-            if m is not None and m.id and "/" not in m.id:
-                members[m.id] = m  # a worker that restarted within the quorum: its last slot
-        return [members[w] for w in sorted(members)]
+        slots = pending + list(range(through + 1, n + 1))
+        keys = [self._k(f"q/{key}/slot/{i}") for i in slots]
+        written = slots if not keys or self.store.check(keys) else [
+            i for i, k in zip(slots, keys) if self.store.check([k])]  # a slot taken, not yet written: next time
+        values = self.store.multi_get([self._k(f"q/{key}/slot/{i}") for i in written]) if written else []
+        for i, raw in zip(written, values):
+            full = self._k(f"q/{key}/slot/{i}")
+            m = self._parse(f"q/{key}/slot/{i}", self.records.open(full, raw.decode(errors="replace")),
+                            Member.from_json)  # None: refused
+            if m is not None and m.id and "/" not in m.id and i > members.get(m.id, (0, m))[0]:
+                members[m.id] = (i, m)  # a worker that restarted within the quorum: its last slot
+        self._arrived_at = (key, sorted(set(slots) - set(written)), max(through, n), members)
+        return [members[w][1] for w in sorted(members)]
 
-    def _bounded(self, arrived: list[Member], key: int) -> list[Member]:
-        """``arrived`` without the new ids past ``max_workers`` distinct workers (in id order), named in a
-        warning."""
-        if all(m.id in self._known for m in arrived):
-            return arrived
-        admitted = self._admitted()
-        room = self.max_workers - len(admitted)
-        new = [m.id for m in arrived if m.id not in admitted]
-        refused = set(new[max(0, room):])
-        if refused:
-            _log.warning("quorum %d leaves out worker(s) %s: the job already admitted max_workers=%d distinct workers "
-                         "(%s); start every worker with a larger max_workers= to allow more", key,
-                         ", ".join(sorted(refused)), self.max_workers, ", ".join(sorted(admitted)))
-        return [m for m in arrived if m.id not in refused]
+    def _live_now(self, key: int, arrived: set[str]) -> set[str]:
+        """Who is live, for the lead of quorum ``key``: the heartbeats of the registered workers not in ``arrived``
+        (which only grows within a quorum), read again at most every quarter ``heartbeat_s`` (a beat moves once per
+        ``heartbeat_s``)."""
+        at, when, live = self._live
+        if at != key or time.monotonic() - when >= self.heartbeat.period_s / 4:
+            live = self.live(among=set(self.registered()) - arrived)
+            self._live = (key, time.monotonic(), live)
+        return live
 
-    def _maybe_close(self, key: int, start: float, first: bool) -> None:
+    def _maybe_close(self, key: int, start: float, first: bool) -> bool:
+        """Close quorum ``key`` if it is ready (see the module docstring); return whether it closed."""
         arrived = self._bounded(self._arrived(key), key)
         ids = {m.id for m in arrived}
         if first:
             ready = len(ids) >= self.workers
         else:
             enough = len(ids) >= self.min_quorum and any(not m.joining for m in arrived)
-            ready = enough and (self.live() <= ids or time.monotonic() - start >= self.deadline())
+            ready = enough and (self._live_now(key, ids) <= ids or time.monotonic() - start >= self.deadline())
         if not ready:
-            return
+            return False
         prev = self.previous
         # the last round's group serves again when it succeeded just before with the same members: the same
         # processes, not only the same ids (a worker restarted at once keeps its id, and has no such group)
@@ -346,33 +319,69 @@ class Quorums(SealedKeys):
         if closed is not None:
             self._admit(closed.ids)
         self._claim("latest", str(key), forward=True)  # only ever forward
+        return True
 
     # -- the verdict of a round --------------------------------------------------------------------------------
 
     def _report(self, quorum: Quorum, ok: bool) -> bool:
         """Report this member's exchange as ``ok`` or failed and return the round's verdict (True: everyone
-        alive holds the result; False: the survivors retry in the next quorum)."""
-        key = quorum.key
+        alive holds the result; False: the survivors retry in the next quorum). A failed member writes ``retry``,
+        the last to report judges at once; the others wait on the lead's bell, and the lead judges a member that
+        never reports (dead after ``stale_s``)."""
+        key, ids = quorum.key, quorum.ids
         self._set(f"q/{key}/done/{self.worker}", "ok" if ok else "failed")
-        ids = quorum.ids
-        start = time.monotonic()
+        reported = int(self.store.add(self._k(f"q/{key}/reported"), 1))
+        known, lead = self._lead_of
+        if known != key or lead is None or lead.id not in ids:
+            lead = self._read_lead(key)
+        if lead is None or lead.id not in ids:  # none (its record failed), or not a member: a member leads
+            lead = self._take_lead(key, lead.raw if lead is not None else "")
+        if not ok:
+            self._decide(key, "retry", lead)
+        elif reported >= len(ids):
+            self._judge(quorum, lead)
+        start = checked = time.monotonic()
+        rang = None
         while True:
+            if not self._mine(lead):  # a follower: its bell first, then the verdict
+                if rang not in (None, "dead"):
+                    _pause(start)  # woken, yet nothing to read: junk on the bell; poll
+                rang = self._follow(key, "verdict", lead, start + self.timeout_s)
+                if rang == "dead":
+                    lead = self._take_lead(key, lead.raw)
             verdict = self._get(f"q/{key}/verdict")
             if verdict is not None:
+                if self._mine(lead):
+                    self._ring(key, "verdict", lead, verdict)
                 self.next_key = key + 1
                 if verdict == "ok":
                     self.previous = quorum
-                    self._set("started", "1")
                 return verdict == "ok"
-            done = dict(zip(ids, self._read([self._k(f"q/{key}/done/{w}") for w in ids])))
-            failed = any(v == "failed" for v in done.values())
-            live = self.live()
-            if failed or all(v is not None or w not in live for w, v in done.items()):
-                self._claim(f"q/{key}/verdict", "retry" if failed else "ok")
-                continue
+            if self._mine(lead):
+                if time.monotonic() - checked >= self.heartbeat.period_s / 2:
+                    checked = time.monotonic()
+                    self._judge(quorum, lead)
+                _pause(start)
             if time.monotonic() - start > self.timeout_s:
                 raise TimeoutError(f"worker {self.worker!r}: no verdict on quorum {key} within {self.timeout_s:g} s")
-            _pause(start)
+
+    def _judge(self, quorum: Quorum, lead: Lead) -> None:
+        """Write the verdict if it is known: ``retry`` when a member failed, ``ok`` when every member reported
+        ``ok`` or stopped beating."""
+        done = dict(zip(quorum.ids, self._read([self._k(f"q/{quorum.key}/done/{w}") for w in quorum.ids])))
+        if any(v == "failed" for v in done.values()):
+            self._decide(quorum.key, "retry", lead)
+            return
+        missing = {w for w, v in done.items() if v is None}
+        if not missing or not self.live(among=missing) & missing:
+            self._decide(quorum.key, "ok", lead)
+
+    def _decide(self, key: int, verdict: str, lead: Lead) -> None:
+        """Claim ``verdict`` for quorum ``key`` (the first claimed stays) and ring the lead's bell."""
+        stays = self._claim(f"q/{key}/verdict", verdict)
+        if stays == verdict == "ok":
+            self._set("started", "1")
+        self._ring(key, "verdict", lead, stays)
 
     def close(self, finished: bool = False) -> None:
         """Stop the heartbeat (the others then stop waiting for this worker after ``stale_s``); ``finished``: this

@@ -13,13 +13,29 @@ Example:
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Optional
+
+import torch.distributed as dist
 
 from bagua.torch_api.fault.secret import Records
 
-__all__ = ["SealedKeys"]
+__all__ = ["SealedKeys", "connect_store"]
 
 _MALFORMED = (ValueError, KeyError, TypeError, AttributeError)  # what parsing a forged or junk record raises
+
+
+def connect_store(address: str, timeout_s: float, what: str) -> dist.TCPStore:
+    """A client of the coordinator's ``TCPStore`` at ``"host:port"``, with a clear error when it is not there."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{what}: coordinator={address!r} must be 'host:port', e.g. '10.0.0.1:29600'")
+    try:
+        return dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s),
+                             wait_for_workers=False)
+    except (RuntimeError, TimeoutError) as e:
+        raise RuntimeError(f"{what}: no coordinator answers at {address} within {timeout_s:g} s; start one with "
+                           f"`python -m bagua.torch_api.fault.coordinator --host {host} --port {port}` ({e})") from e
 
 
 class SealedKeys:
