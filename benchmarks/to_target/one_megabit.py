@@ -27,10 +27,11 @@ import time
 from typing import Optional, Sequence
 
 from benchmarks import network
-from benchmarks.common import netns, report
+from benchmarks.common import netns
+from benchmarks.common import report as bench_report
 from benchmarks.common.job import Job
 
-__all__ = ["parse_system", "time_system", "combine", "main"]
+__all__ = ["STEPS", "IDLE_COMPUTE_S", "parse_system", "time_system", "combine", "report", "main"]
 
 
 _P = "diloco:sync_every=10:hierarchical=False:compression=uint4:outer_lr=1.0:outer_momentum=0.0"
@@ -138,7 +139,7 @@ def time_system(cluster: netns.NetnsCluster, job: Job, workdir: str, port: int, 
         with open(f"{out}.rank{host.index}.json") as f:
             ranks.append(json.load(f))
     row["status"] = "ok"
-    row.update(report.summarize_ranks(ranks, job.rate, True))
+    row.update(bench_report.summarize_ranks(ranks, job.rate, True))
     return row
 
 
@@ -215,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
         with open(args.out) as f:
             rows = json.load(f)["results"]
     meta = {"command": " ".join(["python -m benchmarks.to_target.one_megabit", *(argv or sys.argv[1:])]),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": report.machine_info()}
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": bench_report.machine_info()}
     netns.install_signal_handlers()
     prefix = f"omb{os.getpid() % 100000}"
     with tempfile.TemporaryDirectory(prefix="one-megabit-") as workdir:

@@ -118,3 +118,21 @@ def test_one_megabit_combines_steps_with_the_mean_step_and_projects_the_idle_com
               "step_times_s": [5.5] * 20}
     s = one_megabit.combine(stream, [500], ddp, [500], 0.5, fragment_exchange_s=30.0)
     assert s["idle_step_s"] == pytest.approx(0.5 + (30.0 - 2.0) / 5)
+
+
+def test_one_megabit_report_joins_the_timed_rows_with_the_recorded_steps(tmp_path):
+    import json
+
+    w = one_megabit._W
+    rows = [{"hosts": 4, "system": "ddp", "status": "ok", "mean_step_s": 600.0, "compute_s": 6.0,
+             "step_times_s": [600.0]},
+            {"hosts": 4, "system": w, "status": "ok", "mean_step_s": 12.0, "compute_s": 6.0,
+             "step_times_s": [6.0] * 9 + [66.0]},
+            {"hosts": 4, "system": "not-in-steps", "status": "ok", "mean_step_s": 1.0, "compute_s": 1.0,
+             "step_times_s": [1.0]}]
+    (tmp_path / "t.json").write_text(json.dumps({"results": rows}))
+    table = one_megabit.main(["--report", str(tmp_path / "t.json"), "--out", str(tmp_path / "o.json")])
+    assert [t["system"] for t in table] == ["ddp", w]
+    # DDP 320 / 320 / 380 steps x 600 s; $W 200 / 280 / 240 x 12 s
+    assert table[1]["vs_ddp"] == pytest.approx(320 * 600 / (240 * 12))
+    assert json.loads((tmp_path / "o.json").read_text())["table"][1]["steps"] == [200, 280, 240]
