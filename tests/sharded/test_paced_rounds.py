@@ -1,8 +1,9 @@
 """DiLoCo's rounds by time on FSDP2-sharded replicas: 4 processes as 2 replicas x 2 shards on CPU/gloo (the
 smallest mesh where a replica has several shards and there are several replicas).
 
-- A slow replica (one of its two shard ranks sleeps 80 ms in every step; its other shard waits for it in FSDP2's
-  all-gather) takes fewer inner steps per round after the first, the same number on both of its shards, and the new
+- A slow replica (one of its two shard ranks sleeps 0.5 s plus 3x its own step's compute in every step, more
+  than the noise of a step on the loaded 2-core machine, where a step of this model takes 0.05-0.3 s; its other
+  shard waits for it in FSDP2's all-gather) takes fewer inner steps per round after the first, the same number on both of its shards, and the new
   global weights of each shard are the token-weighted mean of the replicas' local weights (outer SGD with lr 1,
   momentum 0: ``g_new = sum w_i x_i / sum w_i``), written plainly here from what each rank recorded, within 1e-6.
   Every rank records the same rounds (steps, tokens, speeds): the shards of a replica reported the same row.
@@ -25,6 +26,7 @@ from tests.sharded.common import model as _model
 H = 8
 ROUNDS = 4
 SAMPLES = (3, 5)  # per step, by replica
+PAD, PAD_S = 3.0, 0.5  # the slow shard sleeps 0.5 s plus 3x its own step's compute, every step
 
 
 def _mesh():
@@ -62,12 +64,13 @@ def _worker_slow(rank, world):
     out, steps, step = [], 0, 0
     while driver.syncs < ROUNDS:
         step += 1
-        if rank == 2:
-            time.sleep(0.08)  # one shard of replica 1 is slow; the replica is as slow as it
         x, y = _batch(rank, step)
+        started = time.perf_counter()
         optimizer.zero_grad()
         driver.add_samples(samples)  # this step's samples: counted at its backward
         torch.nn.functional.mse_loss(model(x), y).backward()
+        if rank == 2:  # one shard of replica 1 is slow; the replica is as slow as its slowest shard
+            time.sleep(PAD_S + PAD * (time.perf_counter() - started))
         syncs = driver.syncs
         optimizer.step()
         steps += 1
