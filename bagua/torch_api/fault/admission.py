@@ -25,7 +25,11 @@ _log = logging.getLogger(__name__)
 
 class Admission(Leads):
     """Bound the job's distinct workers (the attributes a subclass sets: ``max_workers``, ``_known``, and
-    :class:`~bagua.torch_api.fault.lead.Leads`' own)."""
+    :class:`~bagua.torch_api.fault.lead.Leads`' own).
+
+    Example:
+        >>> quorums._raise_if_refused(3)  # NotAdmitted when the job is full without this worker  # doctest: +SKIP
+    """
 
     max_workers: int
     _known: set[str]

@@ -37,7 +37,12 @@ __all__ = ["Heartbeat", "Lead", "Leads"]
 
 class Heartbeat(threading.Thread):
     """Advance ``key`` every ``period_s`` on a store connection of its own, until stopped; while :meth:`watch` names
-    a lead, ring its bell once the lead's heartbeat has not moved for ``stale_s``."""
+    a lead, ring its bell once the lead's heartbeat has not moved for ``stale_s``.
+
+    Example:
+        >>> beat = Heartbeat("10.0.0.1:29600", "job/hb/site-a", 0.5, 3.0, 60.0)  # doctest: +SKIP
+        >>> beat.start(); beat.watch("job/hb/site-b", "job/q/7/bell/closed/ab12", "dead")  # doctest: +SKIP
+    """
 
     def __init__(self, address: str, key: str, period_s: float, stale_s: float, timeout_s: float) -> None:
         super().__init__(name="bagua-ft-heartbeat", daemon=True)
@@ -93,7 +98,12 @@ class Lead(NamedTuple):
 
 class Leads(SealedKeys):
     """Claim, follow and take over the lead of a quorum (the attributes a subclass sets: ``worker``,
-    ``incarnation``, ``heartbeat``, and :class:`~bagua.torch_api.fault.store.SealedKeys`' own)."""
+    ``incarnation``, ``heartbeat``, and :class:`~bagua.torch_api.fault.store.SealedKeys`' own).
+
+    Example:
+        >>> lead = quorums._take_lead(7)  # doctest: +SKIP
+        >>> rang = quorums._follow(7, "closed", lead, time.monotonic() + 60)  # a follower waits  # doctest: +SKIP
+    """
 
     worker: str
     incarnation: str
