@@ -41,12 +41,14 @@ STEPS: dict[tuple[int, str], tuple[list[int], str]] = {
     (2, "ddp"): ([480, 520, 500], "to-target-gpt-2hosts.json"),
     (2, _P): ([600, 440, 520], "to-target-gpt-2hosts.json"),
     (2, _P.replace("sync_every=10", "sync_every=20")): ([520, 480, 600], "diloco-gpt-h20-seeds.json"),
+    (2, _P + ":fragments=2:overlap_steps=3"): ([620, 460, 500], "to-target-gpt-2hosts.json"),
     (2, _P + ":fragments=2:overlap_steps=4"): ([520, 500], "diloco-gpt-2hosts-overlap4.json (seeds 0-1)"),
     (4, "ddp"): ([320, 320, 380], "to-target-gpt-4hosts-outer.json"),
     (4, _W): ([200, 280, 240], "to-target-gpt-4hosts-outer.json"),
     (4, _W.replace("compression=uint4", "compression=nf2:block_size=256")): ([220, 300, 240],
                                                                            "to-target-gpt-4hosts-nf2.json"),
     (4, _W.replace("sync_every=10", "sync_every=20")): ([280], "to-target-gpt-4hosts-outer.json (seed 0)"),
+    (4, _P): ([500, 380, 380], "to-target-gpt-4hosts.json"),
     (4, _P + ":fragments=2:overlap_steps=3"): ([540, 440, 420], "to-target-gpt-4hosts.json"),
 }
 #: the compute step of an idle machine: DDP's compute_s in the blocks the 10 Mbit/s figures come from
