@@ -10,7 +10,8 @@ processes: tests/fault/ft_async_worker.py); the store orders the arrivals and ev
   ``g -= lr_t * beta * m``; float32, a different order of operations: atol 1e-5);
 - a worker SIGKILLed mid-run and restarted heals from a live peer (its steps resume after its last round) and all
   end with the same weights;
-- with a job secret, a junk arrival written into the log without it is skipped by every worker, with a warning.
+- with a job secret, a junk arrival written into the log without it is skipped by every worker, with a warning,
+  and a slot whose writer died before writing it is voided and skipped.
 """
 
 from __future__ import annotations
@@ -177,7 +178,7 @@ def test_a_worker_killed_mid_run_heals_and_all_end_identical(tmp_path):
     assert "healed from" in again["log"]
 
 
-def test_a_junk_arrival_written_without_the_secret_is_skipped_with_a_warning(coordinator, monkeypatch, caplog):
+def test_a_junk_arrival_and_an_empty_slot_are_skipped_by_every_worker(coordinator, monkeypatch, caplog):
     monkeypatch.setenv("BAGUA_JOB_SECRET", "0123456789abcdef0123456789abcdef")
     junk = torch.full((100,), 1e3).numpy().tobytes()
     host, port = coordinator.split(":")
@@ -187,6 +188,7 @@ def test_a_junk_arrival_written_without_the_secret_is_skipped_with_a_warning(coo
     store.set("async/async/slot/1", json.dumps({
         "w": "mallory", "tokens": 1000, "base": 0, "data": "async/async/data/mallory/1",
         "sha": hashlib.sha256(junk).hexdigest(), "bytes": len(junk)}))
+    assert store.add("async/async/n", 1) == 2  # a writer that died before writing its slot: voided after stale_s
     steps = 16
     with caplog.at_level(logging.WARNING):
         results = _threads(coordinator, workers=2, steps=steps, step_s=0.005)
@@ -194,4 +196,5 @@ def test_a_junk_arrival_written_without_the_secret_is_skipped_with_a_warning(coo
     first = next(r for r in results if r["initial"]["cursor"] == 0)
     assert first["stats"]["ignored"] == 1 and first["stats"]["refused"] >= 1
     assert all(a[1] != "mallory" for r in results for a in r["arrivals"])
+    assert first["arrivals"][0][0] == 3 and [a[4] for a in first["arrivals"]] == [a[0] - 2 for a in first["arrivals"]]
     assert any("async/async/slot/1" in r.getMessage() for r in caplog.records), caplog.text
