@@ -240,7 +240,9 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
             exchange starts, the weights take the outer step with this rank's own pseudo-gradient standing in for
             the average (``e``, on a copy of the outer state); when the average arrives, ``g`` takes the real
             outer step and the weights move by ``g - e``, keeping the inner steps made meanwhile
-            (``overlap_alpha`` is then unused). Costs one more float32 copy of the weights. Default ``False``.
+            (``overlap_alpha`` is then unused). Costs one more float32 copy of the weights. Default ``False``:
+            measured on a small GPT at 4 and 8 workers it cost more steps than the merge
+            (docs/log/2026-12-05-eager-updates.md).
         compression: ``"none"`` (float32 allreduce), ``"bf16"``, ``"uint8"`` or ``"uint4"`` (block-wise min/max
             codes), ``"nf2"`` (2-bit codes about each block's mean and RMS; pass ``block_size=256``) or ``"topk"``
             (sparse: each block's largest 1/32 values, positions and 4-bit codes; ``block_size=256``): a name of
