@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from bagua.torch_api import env
 from bagua.torch_api.ops.diloco_async_outer import DEFAULT_REMEDY, Arrival, AsyncOuter
-from bagua.torch_api.ops.diloco_async_wire import AsyncWire
+from bagua.torch_api.ops.diloco_async_wire import AsyncWire, pseudo_gradient
 
 __all__ = ["AsyncDiLoCo", "ARRIVAL", "DONE"]
 
@@ -170,12 +170,7 @@ class AsyncDiLoCo:
         if self.finished:
             raise ValueError(f"{self.owner}(asynchronous=True): an inner step after close(); build a new one")
         started = time.monotonic()
-        delta = fragment.pseudo_gradient().to("cpu", torch.float32)
-        if not bool(torch.isfinite(delta).all()):
-            raise FloatingPointError(
-                f"{self.owner}(asynchronous=True): rank {dist.get_rank()}'s pseudo-gradient holds NaN or Inf (its "
-                "weights diverged during the inner steps); it was not sent. Lower the inner learning rate, clip "
-                "gradients, or use torch.amp.GradScaler")
+        delta = pseudo_gradient(fragment, self.owner, f"rank {dist.get_rank()}")
         if self.is_server:
             self._raise_server_error()
             assert self.outer is not None, "start() was not called"

@@ -48,7 +48,7 @@ from bagua.torch_api.fault.quorum import JobEnded
 from bagua.torch_api.fault.replica import SettingsDiffer
 from bagua.torch_api.ops.diloco_async_log import ArrivalLog, Slot, pack_state, unpack_state
 from bagua.torch_api.ops.diloco_async_outer import DEFAULT_REMEDY, Arrival, AsyncOuter
-from bagua.torch_api.ops.diloco_async_wire import AsyncWire
+from bagua.torch_api.ops.diloco_async_wire import AsyncWire, pseudo_gradient
 
 __all__ = ["AsyncFaultTolerant", "Applied"]
 
@@ -178,12 +178,7 @@ class AsyncFaultTolerant:
             raise ValueError(f"{self.owner}(asynchronous=True): an inner step after close(); build a new one")
         assert self.wire is not None and self.outer is not None, "start() was not called"
         started = time.monotonic()
-        delta = fragment.pseudo_gradient().to("cpu", torch.float32)
-        if not bool(torch.isfinite(delta).all()):
-            raise FloatingPointError(
-                f"{self.owner}(asynchronous=True): worker {self.worker!r}'s pseudo-gradient holds NaN or Inf (its "
-                "weights diverged during the inner steps); it was not sent. Lower the inner learning rate, clip "
-                "gradients, or use torch.amp.GradScaler")
+        delta = pseudo_gradient(fragment, self.owner, f"worker {self.worker!r}")
         wire = self.wire.encode_up(delta.clone())
         data = wire.contiguous().numpy().tobytes()
         seq, key = self.log.post(data, int(tokens), self.version)

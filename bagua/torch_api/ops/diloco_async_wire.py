@@ -22,13 +22,13 @@ Example:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from bagua.torch_api.codecs import block
 
-__all__ = ["AsyncWire"]
+__all__ = ["AsyncWire", "pseudo_gradient"]
 
 
 class AsyncWire:
@@ -96,3 +96,16 @@ class AsyncWire:
             held.copy_(wire)
         else:
             held.add_(self.decode(wire))
+
+
+@torch.no_grad()
+def pseudo_gradient(fragment: Any, owner: str, who: str) -> torch.Tensor:
+    """The ``fragment``'s pseudo-gradient as float32 on the CPU, refused (``FloatingPointError``, naming ``who``) when
+    it holds NaN or Inf: a diverged worker's arrival is never sent."""
+    delta = fragment.pseudo_gradient().to("cpu", torch.float32)
+    if not bool(torch.isfinite(delta).all()):
+        raise FloatingPointError(
+            f"{owner}(asynchronous=True): {who}'s pseudo-gradient holds NaN or Inf (its weights diverged during the "
+            "inner steps); it was not sent. Lower the inner learning rate, clip gradients, or use "
+            "torch.amp.GradScaler")
+    return delta
