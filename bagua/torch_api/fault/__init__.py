@@ -12,9 +12,13 @@
   a joiner through the algorithm's ``heal_state_dict`` / ``load_heal_state_dict``;
 - :mod:`~bagua.torch_api.fault.secret`: the job secret (only the job's workers take part; every record read from
   the store sealed with HMAC-SHA256) and :mod:`~bagua.torch_api.fault.screen`: one bad worker's contribution left
-  out of a round (not finite, or far too large) and its sample claims bounded.
+  out of a round (not finite, or far too large) and its sample claims bounded;
+- :mod:`~bagua.torch_api.fault.synchronous`: :class:`SyncSteps`, a synchronous job's optimizer step as a round
+  (gradient allreduce and ByteGrad with ``fault_tolerance=``): the quorum agreed behind the forward pass, the
+  gradients averaged over the live members, a joiner healed with the optimizer's whole state.
 
-Nothing here knows an algorithm: DiLoCo (:class:`~bagua.torch_api.ops.diloco_driver.DiLoCoDriver`) calls it.
+Nothing here knows an algorithm: DiLoCo (:class:`~bagua.torch_api.ops.diloco_driver.DiLoCoDriver`, and its
+asynchronous log in :mod:`~bagua.torch_api.ops.diloco_async_ft`) and the synchronous algorithms call it.
 See docs/fault_tolerance.md.
 
 Example:
@@ -31,10 +35,12 @@ from bagua.torch_api.fault.quorum import CoordinatorLost, JobEnded
 from bagua.torch_api.fault.records import Member, Quorum, Round
 from bagua.torch_api.fault.replica import FaultTolerance, SettingsDiffer
 from bagua.torch_api.fault.secret import NotAdmitted, new_secret
+from bagua.torch_api.fault.synchronous import SyncSteps
 from bagua.torch_api.fault.transfer import DEFAULT_BUCKET_BYTES, heal_group, receive_state, send_state
 
 __all__ = [
-    "FaultTolerance", "SettingsDiffer", "CoordinatorLost", "JobEnded", "NotAdmitted", "new_secret", "Member", "Quorum", "Round", "DEFAULT_BUCKET_BYTES",
+    "FaultTolerance", "SyncSteps", "SettingsDiffer", "CoordinatorLost", "JobEnded", "NotAdmitted", "new_secret",
+    "Member", "Quorum", "Round", "DEFAULT_BUCKET_BYTES",
     "TAKE_INNER_STATE", "heal_group", "send_state", "receive_state", "serve_state", "heal_state",
     "load_inner_state", "serve_driver", "heal_driver", "driver_heal_state", "flatten_optimizer_state",
     "unflatten_optimizer_state",
