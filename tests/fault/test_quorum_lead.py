@@ -15,10 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bagua.torch_api.fault.coordinator import start_coordinator
 from bagua.torch_api.fault.quorum import Quorums
 from bagua.torch_api.fault.records import Member
-from tests.fault.test_quorum import _free_port
+from tests.fault.conftest import running_coordinator
 
 ME = Member(round=0, joining=False, samples=1, part=0)
 SECRET = b"0123456789abcdef0123456789abcdef"
@@ -27,11 +26,8 @@ SECRET = b"0123456789abcdef0123456789abcdef"
 @pytest.fixture(scope="module")
 def coordinator():
     """One coordinator process for this file's tests (each uses its own job prefix): its ``host:port``."""
-    port = _free_port()
-    proc = start_coordinator("127.0.0.1", port)
-    yield f"127.0.0.1:{port}"
-    proc.kill()
-    proc.wait()
+    with running_coordinator() as address:
+        yield address
 
 
 def _workers(address, n, prefix, **kw):
