@@ -261,11 +261,11 @@ def test_unsupported_settings_are_refused_with_the_reason(kwargs, words):
 
 
 def test_fault_tolerance_is_accepted_and_its_other_limits_kept():
-    from bagua.torch_api.algorithms.diloco import DiLoCoSettings, check_fault_tolerance
+    from bagua.torch_api.algorithms.diloco import DiLoCoSettings, check_fault_tolerant_settings
 
-    check_fault_tolerance(DiLoCoSettings(asynchronous=True), "DiLoCoOptimizer")  # tests/fault/test_async_ft.py
+    check_fault_tolerant_settings(DiLoCoSettings(asynchronous=True), "DiLoCoOptimizer")  # tests/fault/test_async_ft.py
     with pytest.raises(ValueError, match="needs warmup_steps=0"):
-        check_fault_tolerance(DiLoCoSettings(asynchronous=True, warmup_steps=2), "DiLoCoOptimizer")
+        check_fault_tolerant_settings(DiLoCoSettings(asynchronous=True, warmup_steps=2), "DiLoCoOptimizer")
 
 
 # -- the other remedies measured (single process) ---------------------------------------------------------

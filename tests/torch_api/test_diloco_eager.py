@@ -141,7 +141,7 @@ def test_eager_matches_plain_tensor_reference_and_composes():
 
 
 def test_eager_settings_refused_where_they_cannot_run():
-    from bagua.torch_api.algorithms.diloco import DiLoCoSettings, check_fault_tolerance
+    from bagua.torch_api.algorithms.diloco import DiLoCoSettings, check_fault_tolerant_settings
 
     with pytest.raises(ValueError, match="eager=True. needs overlap_steps >= 1"):
         DiLoCoSettings(eager=True)
@@ -150,7 +150,7 @@ def test_eager_settings_refused_where_they_cannot_run():
     with pytest.raises(ValueError, match="asynchronous=True. needs overlap_steps=0"):
         DiLoCoSettings(eager=True, overlap_steps=1, asynchronous=True)
     with pytest.raises(ValueError, match="fault_tolerance=.... needs overlap_steps=0"):
-        check_fault_tolerance(DiLoCoSettings(eager=True, overlap_steps=1), "DiLoCoOptimizer")
+        check_fault_tolerant_settings(DiLoCoSettings(eager=True, overlap_steps=1), "DiLoCoOptimizer")
 
 
 def test_a_checkpoint_in_flight_keeps_the_stand_in():

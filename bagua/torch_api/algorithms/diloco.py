@@ -43,14 +43,14 @@ from typing import Any, Callable, ClassVar, Optional, Union
 import torch
 
 from bagua.torch_api.algorithms.base import Algorithm, AlgorithmImpl, GlobalAlgorithmRegistry
-from bagua.torch_api.algorithms.diloco_checks import COMPRESSIONS, check_fault_tolerance, check_settings
+from bagua.torch_api.algorithms.diloco_checks import COMPRESSIONS, check_fault_tolerant_settings, check_settings
 from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.ops.diloco_driver import DiLoCoDriver, driver_property
 from bagua.torch_api.ops.diloco_outer import AUTO
 from bagua.torch_api.comm.process_group import BaguaProcessGroup
 from bagua.torch_api.tensor import BaguaTensor
 
-__all__ = ["DiLoCoSettings", "DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS", "check_fault_tolerance"]
+__all__ = ["DiLoCoSettings", "DiLoCoAlgorithm", "DiLoCoAlgorithmImpl", "COMPRESSIONS", "check_fault_tolerant_settings"]
 
 class DiLoCoAlgorithmImpl(AlgorithmImpl):
     """DiLoCo bound to a group; see :class:`DiLoCoAlgorithm`. The engine's hooks drive a
@@ -308,7 +308,7 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
             if not isinstance(self.fault_tolerance, FaultTolerance):
                 raise ValueError("DiLoCoAlgorithm(fault_tolerance=...) takes a bagua.torch_api.fault.FaultTolerance, "
                                  f"got {self.fault_tolerance!r}")
-            check_fault_tolerance(self, self.owner)
+            check_fault_tolerant_settings(self, self.owner)
 
     def reify(self, process_group: BaguaProcessGroup) -> DiLoCoAlgorithmImpl:
         return DiLoCoAlgorithmImpl(process_group, self)

@@ -1,7 +1,7 @@
 """The checks of DiLoCo's settings (:class:`~bagua.torch_api.algorithms.diloco.DiLoCoSettings`): each wrong value,
 and each combination DiLoCo does not run (yet), is a ``ValueError`` that says why and what to pass instead.
 
-:func:`check_settings` runs them all when the settings are built; :func:`check_fault_tolerance` when a
+:func:`check_settings` runs them all when the settings are built; :func:`check_fault_tolerant_settings` when a
 ``fault_tolerance`` communicator comes with them. The functions read the settings by name only (this module imports
 nothing of the algorithm's), so the algorithm, the optimizer and the drivers share one set of rules.
 
@@ -20,7 +20,7 @@ from bagua.torch_api.ops.diloco import FRAGMENT_LAYOUTS
 from bagua.torch_api.ops.diloco_outer import AUTO
 from bagua.torch_api.ops.diloco_pace import ROUNDS
 
-__all__ = ["COMPRESSIONS", "check_settings", "check_fault_tolerance", "pick_codec", "check_asynchronous",
+__all__ = ["COMPRESSIONS", "check_settings", "check_fault_tolerant_settings", "pick_codec", "check_asynchronous",
            "check_outer_optimizer", "check_pace"]
 
 #: what the pseudo-gradient travels as
@@ -73,7 +73,7 @@ def check_settings(hyper: Any) -> None:
     check_pace(hyper)
 
 
-def check_fault_tolerance(hyper: Any, owner: str) -> None:
+def check_fault_tolerant_settings(hyper: Any, owner: str) -> None:
     """Refuse, before anything is built, the settings fault-tolerant DiLoCo does not run (yet), saying why."""
     unsupported = {
         "overlap_steps": (hyper.overlap_steps, 0, "a round is retried from its pseudo-gradient, run inline"),

@@ -37,7 +37,7 @@ from typing import Any, Callable, ClassVar, Optional
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.algorithms.diloco import DiLoCoSettings, check_fault_tolerance
+from bagua.torch_api.algorithms.diloco import DiLoCoSettings, check_fault_tolerant_settings
 from bagua.torch_api.comm.own_group import group_ranks, own_communicator, release_at_exit
 from bagua.torch_api.comm.worker import CommWorker
 from bagua.torch_api.fault.replica import FaultTolerance
@@ -67,7 +67,7 @@ def _settings(sync_every: int, settings: dict[str, Any]) -> DiLoCoSettings:
 
 def _check_fault_tolerance(hyper: DiLoCoSettings, process_group: Any) -> None:
     """Refuse, before anything is built, what fault-tolerant DiLoCo does not run (yet), saying why."""
-    check_fault_tolerance(hyper, "DiLoCoOptimizer")
+    check_fault_tolerant_settings(hyper, "DiLoCoOptimizer")
     if process_group is not None:
         raise ValueError(f"DiLoCoOptimizer(fault_tolerance=...) needs process_group=None, got {process_group!r}: "
                          "the workers share no torch world; each is one process")
