@@ -3,7 +3,8 @@ that keeps gradients local (DiLoCo's inner steps).
 
 Register them where DDP is, ``ddp.register_comm_hook(state, hook)``; Accelerate (``register_comm_hook`` on the
 prepared model) and Lightning (``DDPStrategy(ddp_comm_state=..., ddp_comm_hook=...)``, which registers hooks on CUDA
-only) pass them through. A snippet per framework: ``docs/integrations.md``.
+only) pass them through. A snippet per framework: ``docs/integrations.md``. A hook whose job outlives a dead
+replica (each worker its own DDP world): :mod:`~bagua.torch_api.contrib.ddp_fault`.
 
 ByteGrad = MinMaxUInt8 around a scatter-reduce-gather allreduce
 (:func:`~bagua.torch_api.codecs.compressed_allreduce.low_precision_allreduce_inplace`, or with ``codec="uint8"``/``"uint4"``
@@ -88,8 +89,9 @@ class ByteGradState:
         block_size: elements per block of ``"uint8"``/``"uint4"`` (even).
         grad_scaler: the ``torch.amp.GradScaler`` scaling the loss, with error feedback: when its scale changes the
             residuals (kept in units of scaled gradients) are multiplied by ``new_scale / old_scale``.
-        fault_tolerance: not supported yet (torch DDP needs one torch world over every worker, which dies with one
-            of them): a ``ValueError`` says what to use instead (docs/fault_tolerance.md, "Synchronous jobs").
+        fault_tolerance: refused with a ``ValueError`` (this state averages over one torch world, which dies with
+            any of its workers): use :class:`~bagua.torch_api.contrib.ddp_fault.FaultTolerantHookState` (one DDP
+            world per worker; docs/fault_tolerance.md, "Synchronous jobs").
 
     Attributes (stats, read them at any time): ``iter`` (backward passes that communicated), ``buckets`` (buckets
     averaged), ``bytes_sent`` (bytes this rank sent), ``nonfinite_buckets`` (buckets whose result held NaN/Inf).
@@ -112,10 +114,10 @@ class ByteGradState:
     def __init__(self, process_group: Any = None, error_feedback: bool = False, codec: str = "chunk",
                  block_size: int = DEFAULT_BLOCK, grad_scaler: Any = None, fault_tolerance: Any = None) -> None:
         if fault_tolerance is not None:
-            raise ValueError("ByteGradState(fault_tolerance=...): the DDP comm hook does not outlive a dead replica "
-                             "yet (torch DDP needs one torch world over every worker); use with_bagua with "
-                             "ByteGradAlgorithm(codec='uint8', fault_tolerance=ft) or "
-                             "GradientAllReduceAlgorithm(fault_tolerance=ft), one process per worker")
+            raise ValueError("ByteGradState(fault_tolerance=...): this state averages over one torch world, which "
+                             "dies with any worker; for DDP that outlives a dead replica build DDP in a world of "
+                             "this process alone and register bagua.torch_api.contrib.ddp_fault."
+                             "FaultTolerantHookState(ft, ddp, optimizer, codec='uint8') with fault_tolerant_hook")
         check_bool("ByteGradState", "error_feedback", error_feedback)
         codec = check_codec("ByteGradState", codec, block_size)  # an alias ("minmax_uint8", "MinMaxUInt8") -> "chunk"
         self.process_group = process_group
