@@ -30,14 +30,14 @@ import copy
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from benchmarks.fault.kills import WORKERS, Life, RestartKills, fail, kill_by_cmdline, kill_due, rejoin_times, say
+from benchmarks.fault import gpt_runs
+from benchmarks.fault.kills import WORKERS, say
 
 __all__ = ["parse_args", "worker", "run_ft", "run_restart", "main"]
 
@@ -146,119 +146,19 @@ def worker(args: argparse.Namespace) -> None:
 # -- the supervisor -------------------------------------------------------------------------------------------------
 
 
-def _evals(lines: list[dict[str, Any]], rank: int) -> list[dict[str, Any]]:
-    return [x for x in lines if x["kind"] == "step" and int(x["rank"]) == rank and "loss" in x]
-
-
-def _outcome(evals: list[dict[str, Any]], start: float, target: float) -> dict[str, Any]:
-    """Time and steps to the target from rank 0's evaluations (all attempts), its evaluation time taken out."""
-    hit = next((e for e in evals if e["loss"] <= target), None)
-    upto = [e for e in evals if hit is None or e["t"] <= hit["t"]]
-    eval_s = sum(e["eval_s"] for e in upto)
-    return {"reached": hit is not None, "steps_to_target": int(hit["step"]) if hit else None,
-            "time_to_target_s": hit["t"] - start - eval_s if hit else None, "eval_s": eval_s,
-            "final_loss": evals[-1]["loss"] if evals else None, "curve": [[int(e["step"]), e["loss"]] for e in evals]}
-
-
-def _start_coordinator(host: Any, port: int, log: Path) -> subprocess.Popen:
-    """The coordinator on its own emulated host, bound to that host's address."""
-    proc = subprocess.Popen(host.exec_prefix() + [sys.executable, "-m", "bagua.torch_api.fault.coordinator",
-                                                  "--host", host.address, "--port", str(port)],
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.time() + 60
-    while "listening" not in log.read_text(errors="replace"):
-        if proc.poll() is not None or time.time() > deadline:
-            proc.kill()
-            raise RuntimeError(f"the coordinator did not start: {log.read_text(errors='replace')[-500:]}")
-        time.sleep(0.1)
-    return proc
-
-
 def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, workdir: Path,
            inner_state: Optional[bool] = None) -> dict[str, Any]:
     """Four fault-tolerant workers to the target; with ``kill_every``, SIGKILL and restart one on the schedule;
     ``inner_state``: what a healed worker takes (``None``: the library's default)."""
-    port = 29600 + seed
-    coordinator = _start_coordinator(cluster.hosts[WORKERS], port, workdir / f"coord-{kill_every}-{seed}.log")
-    lives: list[Life] = []
-
-    def spawn(i: int) -> Life:
-        host = cluster.hosts[i]
-        cmd = host.exec_prefix() + [sys.executable, "-m", "benchmarks.fault.fault_gpt", "--worker", "ft", "--index",
-                                    str(i), "--seed", str(seed), "--coordinator",
-                                    f"{cluster.hosts[WORKERS].address}:{port}", *args.shared]
-        cmd += [] if inner_state is None else ["--inner-state", str(int(inner_state))]
-        lives.append(Life(cmd, workdir / f"ft{kill_every}-s{seed}-w{i}-{len(lives)}.log",
-                           {"GLOO_SOCKET_IFNAME": host.iface}))
-        return lives[-1]
-
-    start = time.time()
-    current = {i: spawn(i) for i in range(WORKERS)}
-    plan = list(range(kill_every + args.kill_offset, args.max_steps, kill_every)) if kill_every else []
-    kills: list[dict[str, Any]] = []
-    try:
-        while True:
-            for life in current.values():
-                life.read()
-            if _outcome(_evals(current[0].lines, 0), start, args.target)["reached"] or current[0].poll() == 0:
-                break
-            plan = kill_due(current, kills, plan, spawn)
-            codes = {i: life.poll() for i, life in current.items()}
-            if any(c not in (None, 0) for c in codes.values()):
-                raise fail(f"ft: a worker failed, exit codes {codes}", current.values())
-            if time.time() - start > args.timeout:
-                raise fail(f"ft: no result within {args.timeout:.0f} s (--timeout)", current.values())
-            time.sleep(0.05)
-    finally:
-        for life in lives:
-            life.kill()
-        coordinator.kill()
-        coordinator.wait()
-    rejoin_times(kills)
-    useful = sum(life.last_sync - int(life.joined["step"]) for life in lives if life.joined)
-    out = _outcome(_evals(current[0].lines, 0), start, args.target)
-    return {"mode": "ft" if inner_state is None else f"ft+inner={int(inner_state)}", "kill_every": kill_every,
-            "seed": seed, "kills": kills,
-            "goodput": useful / (WORKERS * max(int(out["steps_to_target"] or 0), 1)), **out}
+    extra = [] if inner_state is None else ["--inner-state", str(int(inner_state))]
+    mode = "ft" if inner_state is None else f"ft+inner={int(inner_state)}"
+    return gpt_runs.run_ft(args, cluster, seed, kill_every, workdir, "benchmarks.fault.fault_gpt", extra, mode)
 
 
 def run_restart(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int,
                 workdir: Path) -> dict[str, Any]:
     """Plain DiLoCo under the elastic agent, checkpointing; SIGKILL a rank on the schedule, the agent restarts all."""
-    from bagua.torch_api import env
-
-    ckpt = workdir / f"ckpt-{kill_every}-{seed}"
-    plan = list(range(kill_every + args.kill_offset, args.max_steps, kill_every)) if kill_every else []
-    schedule = RestartKills(plan)
-    prefix, master = cluster.hosts[0].namespace[:-1], cluster.hosts[0].address  # "<prefix>h0" -> "<prefix>h"
-    # each rank enters the namespace of its host; the ranks' own store (not the agent's) is on host 0
-    script = workdir / "enter_host.sh"
-    script.write_text(f'exec ip netns exec {prefix}"$LOCAL_RANK" env MASTER_ADDR={master} LOCAL_RANK=0 '
-                      f'LOCAL_WORLD_SIZE=1 GLOO_SOCKET_IFNAME={cluster.hosts[0].iface} "$@"\n')
-    agent = Life([sys.executable, "-m", "bagua.distributed.run", "--nproc-per-node", str(WORKERS),
-                   "--max-restarts", str(len(plan) + 1), "--monitor-interval", "0.1", "--rdzv-backend", "c10d",
-                   "--rdzv-endpoint", f"127.0.0.1:{env.find_free_network_port()}", "--no-python", "sh",
-                   str(script), sys.executable, "-m", "benchmarks.fault.fault_gpt", "--worker", "ckpt",
-                   "--seed", str(seed), "--ckpt-dir", str(ckpt), *args.shared],
-                  workdir / f"restart{kill_every}-s{seed}.log", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
-    start = time.time()
-    try:
-        while agent.poll() is None:
-            schedule.see(agent.read())
-            if _outcome(_evals(agent.lines, 0), start, args.target)["reached"]:
-                break
-            schedule.kill_due()
-            if time.time() - start > args.timeout:
-                raise fail(f"restart: no result within {args.timeout:.0f} s (--timeout)", [agent])
-            time.sleep(0.05)
-    finally:
-        agent.kill()
-        kill_by_cmdline(str(ckpt))
-    agent.read()
-    out = _outcome(_evals(agent.lines, 0), start, args.target)
-    if not out["curve"]:
-        raise fail(f"restart: rank 0 never evaluated (agent exit {agent.proc.returncode})", [agent])
-    return {"mode": "restart", "kill_every": kill_every, "seed": seed, "kills": schedule.kills, **out}
+    return gpt_runs.run_restart(args, cluster, seed, kill_every, workdir, "benchmarks.fault.fault_gpt")
 
 
 def _family(mode: str) -> str:
