@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import threading
@@ -34,10 +35,13 @@ from bagua.torch_api.fault.store import SealedKeys, connect_store
 
 __all__ = ["Heartbeat", "Lead", "Leads"]
 
+_ABSENT = "\x00absent"  # what a one-round-trip read (compare_set with it on both sides) returns for no key
+
 
 class Heartbeat(threading.Thread):
     """Advance ``key`` every ``period_s`` on a store connection of its own, until stopped; while :meth:`watch` names
-    a lead, ring its bell once the lead's heartbeat has not moved for ``stale_s``.
+    a lead, ring its bell once the lead's heartbeat has not moved for ``stale_s``; delete the keys handed to
+    :meth:`forget` (a round's records, once every member is past it), off the training thread's path.
 
     Example:
         >>> beat = Heartbeat("10.0.0.1:29600", "job/hb/site-a", 0.5, 3.0, 60.0)  # doctest: +SKIP
@@ -50,7 +54,12 @@ class Heartbeat(threading.Thread):
         self.key, self.period_s, self.stale_s = key, period_s, stale_s
         self.stopped = threading.Event()
         self.watching: Optional[tuple[str, str, str]] = None  # (the lead's heartbeat key, its bell, the ring)
+        self.forgotten: collections.deque[str] = collections.deque()  # full keys to delete, in order
         self.store.add(key, 1)
+
+    def forget(self, keys: list[str]) -> None:
+        """Delete the full ``keys`` at the next beat (on this thread's own connection)."""
+        self.forgotten.extend(keys)
 
     def watch(self, heartbeat: Optional[str], bell: str = "", ring: str = "") -> None:
         """Watch the heartbeat under the full key ``heartbeat`` and set ``bell`` to ``ring`` when it stops (``None``:
@@ -64,6 +73,8 @@ class Heartbeat(threading.Thread):
             try:
                 self.store.add(self.key, 1)
                 seen = self._check(seen)
+                while self.forgotten and not self.stopped.is_set():
+                    self.store.delete_key(self.forgotten.popleft())
             except Exception:  # noqa: BLE001 - junk written over the counter, or the coordinator is gone
                 try:
                     self.store.set(self.key, str(beats))  # junk: beat again from a number
@@ -109,6 +120,15 @@ class Leads(SealedKeys):
     incarnation: str
     heartbeat: Heartbeat
 
+    def _peek(self, key: str) -> Optional[str]:
+        """The payload of the record under ``key`` in one round trip, without blocking (None: absent, or it fails
+        its checks): a ``compare_set`` that never matches a real value (a ``get`` waits for the key first: two)."""
+        return self._peek_full(self._k(key))
+
+    def _peek_full(self, full: str) -> Optional[str]:
+        raw = self.store.compare_set(full, _ABSENT, _ABSENT).decode(errors="replace")
+        return None if raw == _ABSENT else self.records.open(full, raw)
+
     def _mine(self, lead: Optional[Lead]) -> bool:
         return lead is not None and (lead.id, lead.incarnation) == (self.worker, self.incarnation)
 
@@ -124,7 +144,8 @@ class Leads(SealedKeys):
     def _read_lead(self, key: int) -> Optional[Lead]:
         """The lead of quorum ``key`` (None: none yet, or its record fails)."""
         full = self._k(f"q/{key}/lead")
-        return self._parse_lead(key, self._raw(full) if self.store.check([full]) else "")
+        raw = self.store.compare_set(full, _ABSENT, _ABSENT).decode(errors="replace")
+        return self._parse_lead(key, "" if raw == _ABSENT else raw)
 
     def _take_lead(self, key: int, current: str = "") -> Lead:
         """Lead quorum ``key`` unless a valid lead other than ``current`` (the raw record of a dead lead; empty:
@@ -150,13 +171,15 @@ class Leads(SealedKeys):
 
     def _follow(self, key: int, phase: str, lead: Lead, until: float) -> str:
         """Block until ``lead``'s bell of ``phase`` rings, or until the monotonic time ``until``; return what rang
-        (``closed``, ``verdict``, ``dead``), ``timeout``, or ``""`` for a bell that fails its seal (poll instead).
-        Meanwhile the heartbeat thread rings ``dead`` if the lead's heartbeat stops."""
+        (the closed quorum's record, the verdict, ``dead``), ``timeout``, or ``""`` for a bell that fails its seal
+        (poll instead). Meanwhile the heartbeat thread rings ``dead`` if the lead's heartbeat stops (not when this
+        worker is the lead, waiting on its own bell)."""
         bell = self._bell(key, phase, lead)
         left = until - time.monotonic()
         if left <= 0:
             return "timeout"
-        self.heartbeat.watch(self._k(f"hb/{lead.id}"), bell, self.records.seal(bell, "dead"))
+        if not self._mine(lead):
+            self.heartbeat.watch(self._k(f"hb/{lead.id}"), bell, self.records.seal(bell, "dead"))
         try:
             self.store.wait([bell], datetime.timedelta(seconds=left))
         except dist.DistStoreError as exc:
@@ -165,7 +188,7 @@ class Leads(SealedKeys):
             return "timeout"
         finally:
             self.heartbeat.watch(None)
-        return self.records.open(bell, self._raw(bell)) or ""
+        return self._peek_full(bell) or ""
 
     def _bury_predecessor(self, key: int) -> None:
         """Ring ``dead`` for this worker's previous process where it led quorum ``key - 1`` or ``key`` (it died

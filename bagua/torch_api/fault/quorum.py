@@ -10,17 +10,19 @@ that round:
 2. the first member that may close it (a non-joining one; any, in the job's first quorum) takes its *lead*
    (:mod:`~bagua.torch_api.fault.lead`); the lead alone reads the slots and the heartbeats and closes the quorum, by
    ``compare_set`` on one key so that exactly one list of members wins, as soon as every live worker has arrived,
-   or at its deadline with at least ``min_quorum`` members. A worker is live while its heartbeat (a counter a
-   thread of its own advances every ``heartbeat_s``) moves: a killed or stopped worker stops counting and is not
-   waited for after ``stale_s``. The other members block on one key, the lead's bell, which it rings once the
-   quorum is closed; a lead that dies is taken over by another member after ``stale_s``;
-3. after the exchange each member reports ``ok`` or ``failed``; the verdict is written once (``compare_set``
-   again): ``retry`` at once by a member that failed, ``ok`` by the last member to report, or by the lead when a
-   member stopped beating without reporting; the survivors of a ``retry`` run the round again in the next quorum.
+   or at its deadline with at least ``min_quorum`` members. The lead waits only for the members of the quorum
+   before (the same processes: a restarted one is a joiner) that are live: a worker is live while its heartbeat (a
+   counter a thread of its own advances every ``heartbeat_s``) moves, so a killed or stopped worker is not waited
+   for after ``stale_s``; a worker not in that quorum (new, restarted, left out) is in the quorum if its slot is
+   there when it closes, else in a later one, and never holds the others up. The lead blocks on the slot that
+   completes the quorum, the other members on one key, the lead's bell, which it rings once the quorum is
+   closed; a lead that dies is taken over by another member after ``stale_s``;
+3. after the exchange each member reports ``ok`` or ``failed`` and learns the verdict, written once
+   (:mod:`~bagua.torch_api.fault.verdict`); the survivors of a ``retry`` run the round again in the next quorum.
 
 Each member thus makes a few store calls per round, and only the lead reads every slot: the coordinator's work
-grows with the number of workers, not with its square (see "How far one coordinator goes" in
-docs/fault_tolerance.md).
+grows with the number of workers, not with its square, and its memory stays bounded: each worker deletes what it
+wrote a few quorums back (see "How far one coordinator goes" in docs/fault_tolerance.md).
 
 Quorums are numbered ``1, 2, ...``; the members of quorum ``k`` go on to ``k + 1`` (the next round or a retry), a
 joiner to the one after the last closed. A worker that finds a quorum closed without it was left out: its state
@@ -41,7 +43,9 @@ Example:
 from __future__ import annotations
 
 import atexit
+import collections
 import dataclasses
+import datetime
 import logging
 import statistics
 import threading
@@ -51,11 +55,11 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from bagua.torch_api.fault.admission import Admission
 from bagua.torch_api.fault.lead import Heartbeat, Lead
 from bagua.torch_api.fault.records import Member, Quorum
 from bagua.torch_api.fault.secret import Records
 from bagua.torch_api.fault.store import connect_store
+from bagua.torch_api.fault.verdict import Verdicts
 
 __all__ = ["Quorums", "Excluded", "CoordinatorLost", "JobEnded", "connect_store"]
 
@@ -81,7 +85,7 @@ class JobEnded(RuntimeError):
     alone never closes a round, so there is nothing to join."""
 
 
-class Quorums(Admission):
+class Quorums(Verdicts):
     """This worker's view of the job's quorums (see the module docstring).
 
     Args:
@@ -128,6 +132,7 @@ class Quorums(Admission):
         self.incarnation = uuid.uuid4().hex[:16]  # this process: a restarted worker keeps its id, not this
         self.store = connect_store(coordinator, timeout_s, f"worker {worker!r}")
         self.store.delete_key(self._k(f"finished/{worker}"))  # a restarted worker takes part again
+        self._set(f"process/{worker}", self.incarnation)  # a quorum's lead does not wait for an older process
         registration = self._k(f"workers/{self.store.add(self._k('workers/n'), 1)}")
         self.store.set(registration, self.records.seal(registration, worker))
         self.heartbeat = Heartbeat(coordinator, self._k(f"hb/{worker}"), heartbeat_s, stale_s, timeout_s)
@@ -140,7 +145,10 @@ class Quorums(Admission):
         self._arrivals: list[float] = []  # when this worker arrived at its last rounds
         self._known: set[str] = set()  # ids this worker saw admitted (they only grow): no store read for them
         self._registrations: dict[int, str] = {}  # registration number -> id, as read here (they never change)
-        self._live: tuple[int, float, set[str]] = (0, 0.0, set())  # the lead's last read: quorum, when, who was live
+        self._live: tuple[int, float, set[str]] = (0, 0.0, set())  # the lead's last read: quorum, when, waited for
+        self._last: Optional[Quorum] = None  # the last quorum this worker was a member of
+        self._to_forget: collections.deque = collections.deque()  # (quorum, full keys) this worker deletes later
+        self._started = False  # whether this worker saw a round ok (and said so in the store)
         # the quorum whose slots were read here: (its key, slots not written yet, slots read, id -> (slot, member))
         self._arrived_at: tuple[int, list[int], int, dict[str, tuple[int, Member]]] = (0, [], 0, {})
         self._waited = False  # whether this process waited for a quorum yet
@@ -216,34 +224,39 @@ class Quorums(Admission):
             self._bury_predecessor(key)
         slot = self.store.add(self._k(f"q/{key}/n"), 1)
         self._set(f"q/{key}/slot/{slot}", me.to_json())
+        self._forget_at(key, [self._k(f"q/{key}/slot/{slot}")])
         start = time.monotonic()
         if not me.joining:
             self._arrivals = (self._arrivals + [start])[-8:]
         # no round succeeded yet: the job's start waits for every worker (a worker that saw one knows it)
-        first = self.previous is None and self._get("started") is None
+        first = self.previous is None and self._peek("started") is None
         lead = self._take_lead(key) if not me.joining or first else None
+        self._sweep(key)
         checked, rang = start, None
         while True:
+            quorum = None
             if lead is not None and not self._mine(lead):  # a follower: its bell first, then the record
-                if rang not in (None, "dead"):
+                if rang not in (None, "dead", "timeout"):
                     _pause(start)  # woken, yet nothing to read: junk on the bell; poll
-                rang = self._follow(key, "closed", lead, start + self.timeout_s)
+                rang = self._follow(key, "closed", lead, min(start + self.timeout_s, time.monotonic() + 5.0))
                 if rang == "dead":
                     lead = self._take_lead(key, lead.raw)
-            quorum = self._parse(f"q/{key}/closed", self._get(f"q/{key}/closed"), Quorum.from_json)
+            quorum = self._parse(f"q/{key}/closed", self._peek(f"q/{key}/closed"), Quorum.from_json)
+            if quorum is None and rang == "timeout" and self._gone(key):
+                raise Excluded(f"worker {self.worker!r}: quorum {key} closed long ago without it")
+            if quorum is None and lead is not None and self._mine(lead):
+                quorum = self._maybe_close(key, start, first)
             if quorum is not None:
                 self._lead_of = (key, lead)
                 if self._mine(lead):
                     self._ring(key, "closed", lead, "closed")
+                    self._claim("latest", str(key), forward=True)  # only ever forward; joiners start after it
                 if self.worker not in quorum.ids:
                     self._raise_if_refused(key)
                     raise Excluded(f"worker {self.worker!r}: quorum {key} closed without it")
+                self._last = quorum
                 return quorum
-            if lead is not None and self._mine(lead):
-                if self._maybe_close(key, start, first):
-                    continue
-                _pause(start)
-            elif lead is None:
+            if lead is None:
                 if time.monotonic() - checked > 1.0:  # a joiner alone: has the job ended? (once a second)
                     checked = time.monotonic()
                     self._raise_if_ended(key)
@@ -288,27 +301,48 @@ class Quorums(Admission):
         self._arrived_at = (key, sorted(set(slots) - set(written)), max(through, n), members)
         return [members[w][1] for w in sorted(members)]
 
-    def _live_now(self, key: int, arrived: set[str]) -> set[str]:
-        """Who is live, for the lead of quorum ``key``: the heartbeats of the registered workers not in ``arrived``
-        (which only grows within a quorum), read again at most every quarter ``heartbeat_s`` (a beat moves once per
-        ``heartbeat_s``)."""
-        at, when, live = self._live
-        if at != key or time.monotonic() - when >= self.heartbeat.period_s / 4:
-            live = self.live(among=set(self.registered()) - arrived)
-            self._live = (key, time.monotonic(), live)
-        return live
+    def _waited_for(self, key: int, arrived: set[str]) -> set[str]:
+        """The workers the lead of quorum ``key`` still waits for: the live members of quorum ``key - 1`` (the same
+        processes) not in ``arrived``; without that quorum here, every live registered worker. Heartbeats are read
+        again at most every quarter ``heartbeat_s`` (a beat moves once per ``heartbeat_s``)."""
+        at, when, waited = self._live
+        if at == key and time.monotonic() - when < self.heartbeat.period_s / 4:
+            return waited - arrived
+        last = self._last
+        if last is None or last.key != key - 1:
+            waited = self.live(among=set(self.registered()) - arrived)
+        else:
+            expected = {m.id: m.incarnation for m in last.members if m.id not in arrived}
+            waited = self.live(among=set(expected)) & expected.keys() if expected else set()
+            if waited:  # a worker restarted since (another process under its id) joins; it is not waited for
+                ids = sorted(waited)
+                now = self._read([self._k(f"process/{w}") for w in ids])
+                waited = {w for w, p in zip(ids, now) if p is None or p == expected[w]}
+        self._live = (key, time.monotonic(), waited)
+        return waited - arrived
 
-    def _maybe_close(self, key: int, start: float, first: bool) -> bool:
-        """Close quorum ``key`` if it is ready (see the module docstring); return whether it closed."""
+    def _maybe_close(self, key: int, start: float, first: bool) -> Optional[Quorum]:
+        """Close quorum ``key`` if it is ready (see the module docstring) and return the quorum that stays; else
+        block until the slot that would complete it is written, or the next look at the heartbeats, and return
+        None."""
         arrived = self._bounded(self._arrived(key), key)
         ids = {m.id for m in arrived}
+        now = time.monotonic()
         if first:
-            ready = len(ids) >= self.workers
+            missing, until = self.workers - len(ids), start + self.timeout_s
         else:
+            waited = self._waited_for(key, ids)
             enough = len(ids) >= self.min_quorum and any(not m.joining for m in arrived)
-            ready = enough and (self._live_now(key, ids) <= ids or time.monotonic() - start >= self.deadline())
-        if not ready:
-            return False
+            late = now - start >= self.deadline()
+            missing = 0 if enough and (late or not waited) else max(1, len(waited))
+            until = min(start + self.timeout_s, now + self.heartbeat.period_s,
+                        start + self.deadline() if not late else now + self.heartbeat.period_s)
+        if missing > 0:
+            self._await_slot(key, self._arrived_at[2] + missing, until)
+            return None
+        latest = None if first else self._parse("latest", self._peek("latest"), int)
+        if latest is not None and latest >= key:  # it closed, and its records were deleted since: never again
+            raise Excluded(f"worker {self.worker!r}: quorum {key} closed long ago without it")
         prev = self.previous
         # the last round's group serves again when it succeeded just before with the same members: the same
         # processes, not only the same ids (a worker restarted at once keeps its id, and has no such group)
@@ -318,70 +352,18 @@ class Quorums(Admission):
         closed = self._parse(f"q/{key}/closed", self._claim(f"q/{key}/closed", record.to_json()), Quorum.from_json)
         if closed is not None:
             self._admit(closed.ids)
-        self._claim("latest", str(key), forward=True)  # only ever forward
-        return True
+        return closed
 
-    # -- the verdict of a round --------------------------------------------------------------------------------
-
-    def _report(self, quorum: Quorum, ok: bool) -> bool:
-        """Report this member's exchange as ``ok`` or failed and return the round's verdict (True: everyone
-        alive holds the result; False: the survivors retry in the next quorum). A failed member writes ``retry``,
-        the last to report judges at once; the others wait on the lead's bell, and the lead judges a member that
-        never reports (dead after ``stale_s``)."""
-        key, ids = quorum.key, quorum.ids
-        self._set(f"q/{key}/done/{self.worker}", "ok" if ok else "failed")
-        reported = int(self.store.add(self._k(f"q/{key}/reported"), 1))
-        known, lead = self._lead_of
-        if known != key or lead is None or lead.id not in ids:
-            lead = self._read_lead(key)
-        if lead is None or lead.id not in ids:  # none (its record failed), or not a member: a member leads
-            lead = self._take_lead(key, lead.raw if lead is not None else "")
-        if not ok:
-            self._decide(key, "retry", lead)
-        elif reported >= len(ids):
-            self._judge(quorum, lead)
-        start = checked = time.monotonic()
-        rang = None
-        while True:
-            if not self._mine(lead):  # a follower: its bell first, then the verdict
-                if rang not in (None, "dead"):
-                    _pause(start)  # woken, yet nothing to read: junk on the bell; poll
-                rang = self._follow(key, "verdict", lead, start + self.timeout_s)
-                if rang == "dead":
-                    lead = self._take_lead(key, lead.raw)
-            verdict = self._get(f"q/{key}/verdict")
-            if verdict is not None:
-                if self._mine(lead):
-                    self._ring(key, "verdict", lead, verdict)
-                self.next_key = key + 1
-                if verdict == "ok":
-                    self.previous = quorum
-                return verdict == "ok"
-            if self._mine(lead):
-                if time.monotonic() - checked >= self.heartbeat.period_s / 2:
-                    checked = time.monotonic()
-                    self._judge(quorum, lead)
-                _pause(start)
-            if time.monotonic() - start > self.timeout_s:
-                raise TimeoutError(f"worker {self.worker!r}: no verdict on quorum {key} within {self.timeout_s:g} s")
-
-    def _judge(self, quorum: Quorum, lead: Lead) -> None:
-        """Write the verdict if it is known: ``retry`` when a member failed, ``ok`` when every member reported
-        ``ok`` or stopped beating."""
-        done = dict(zip(quorum.ids, self._read([self._k(f"q/{quorum.key}/done/{w}") for w in quorum.ids])))
-        if any(v == "failed" for v in done.values()):
-            self._decide(quorum.key, "retry", lead)
+    def _await_slot(self, key: int, slot: int, until: float) -> None:
+        """Block until slot ``slot`` of quorum ``key`` is written, or until the monotonic time ``until``."""
+        left = until - time.monotonic()
+        if left <= 0:
             return
-        missing = {w for w, v in done.items() if v is None}
-        if not missing or not self.live(among=missing) & missing:
-            self._decide(quorum.key, "ok", lead)
-
-    def _decide(self, key: int, verdict: str, lead: Lead) -> None:
-        """Claim ``verdict`` for quorum ``key`` (the first claimed stays) and ring the lead's bell."""
-        stays = self._claim(f"q/{key}/verdict", verdict)
-        if stays == verdict == "ok":
-            self._set("started", "1")
-        self._ring(key, "verdict", lead, stays)
+        try:
+            self.store.wait([self._k(f"q/{key}/slot/{slot}")], datetime.timedelta(seconds=left))
+        except dist.DistStoreError as exc:
+            if isinstance(exc, dist.DistNetworkError) or "timeout" not in str(exc).lower():
+                raise
 
     def close(self, finished: bool = False) -> None:
         """Stop the heartbeat (the others then stop waiting for this worker after ``stale_s``); ``finished``: this
