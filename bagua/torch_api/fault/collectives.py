@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from bagua.torch_api.fault.records import Round
 from bagua.torch_api.fault.robust import kept_rows, robust_average
-from bagua.torch_api.fault.screen import gather_norms, kept_average, screen
+from bagua.torch_api.fault.screen import gather_norms, kept_average, screen, slotted_average
 
 __all__ = ["ROUND_ERRORS", "MemberCollectives"]
 
@@ -66,23 +66,44 @@ class MemberCollectives:
             self.fail(exc)
             return None
         kept, why = screen(norms, r.weights, self.max_norm_ratio)
+        self._name_left_out(r, kept, why)
+        return tuple(kept)
+
+    def _name_left_out(self, r: Round, kept: list[int], why: dict[int, str]) -> None:
         for i, reason in sorted(why.items()):
             worker = r.quorum.members[i].id
             self.dropped.append((r.quorum.key, worker, reason))
             _log.warning("worker %r is left out of quorum %d's average: %s; the round goes on with the %d others "
                          "kept", worker, r.quorum.key, reason, sum(1 for w in kept if w))
-        return tuple(kept)
 
     @torch.no_grad()
-    def allreduce(self, tensor: torch.Tensor) -> None:
+    def allreduce(self, tensor: torch.Tensor, refill: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """Average ``tensor`` over the round's members in place, weighted by their samples (a plain mean, bit for
         bit a float32 allreduce's, when the weights are equal); a healed member contributes zeros, and so does one
         left out by :meth:`screen` (the average is over the others). With ``robust``: the coordinate-wise median or
         trimmed mean of the sources kept, every source counting once. An error is recorded (see
-        :meth:`should_commit`), not raised; after one, nothing is sent."""
+        :meth:`should_commit`), not raised; after one, nothing is sent.
+
+        ``refill``: the last ``members`` values of the CPU ``tensor`` are room for the screen, not data; without
+        ``robust``, each member's norm then rides the average itself (one collective instead of two:
+        :func:`~bagua.torch_api.fault.screen.slotted_average`), and ``refill(data)`` writes this member's
+        contribution again when the screen leaves a member out."""
         r = self._round
         if r is None or self._error is not None:
             return
+        if refill is not None and self.robust is None:
+            try:
+                if r.healed:
+                    tensor[:-r.size].zero_()
+                kept, why = slotted_average(self._groups.group, tensor, r.rank, r.weights, self.max_norm_ratio,
+                                            datetime.timedelta(seconds=self._exchange_timeout()),
+                                            (lambda data: data.zero_()) if r.healed else refill)
+                self._name_left_out(r, kept, why)
+            except ROUND_ERRORS as exc:
+                self.fail(exc)
+            return
+        if refill is not None:
+            tensor = tensor[:-r.size]
         try:
             buf = tensor if tensor.device.type == "cpu" else tensor.cpu()
             timeout = datetime.timedelta(seconds=self._exchange_timeout())

@@ -11,6 +11,10 @@ all-gathered from the members), so every member takes the same decision and comp
   with 3 or more finite sources, so is one whose L2 norm exceeds ``max_norm_ratio`` (default 10) times the median
   of their norms (when that median is above 0). The others' average is rescaled to the members kept.
 
+The norms travel either by an all-gather of their own (:func:`gather_norms`) or on the average itself
+(:func:`slotted_average`: a slot per member appended to the buffer, so one allreduce carries the contributions and
+every norm; only when the screen leaves a member out is the average run again, without it).
+
 The norms are what each member reports of its own tensor: the rules catch faults (a diverged worker, a corrupted
 tensor, a bug), not a worker that lies about its norm (see docs/fault_tolerance.md, the threat model).
 
@@ -26,16 +30,18 @@ from __future__ import annotations
 import datetime
 import math
 import statistics
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-__all__ = ["MAX_NORM_RATIO", "MAX_SAMPLE_RATIO", "bound_samples", "screen", "gather_norms", "kept_average"]
+__all__ = ["MAX_NORM_RATIO", "MAX_SAMPLE_RATIO", "bound_samples", "screen", "gather_norms", "kept_average",
+           "slotted_average"]
 
 #: a contribution larger than this many times the median norm of the round's sources is left out (3+ sources)
 MAX_NORM_RATIO = 10.0
 #: a member's samples count at most this many times the median of the other sources'
 MAX_SAMPLE_RATIO = 8.0
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def bound_samples(samples: Sequence[int], max_ratio: Optional[float] = MAX_SAMPLE_RATIO) -> list[int]:
@@ -93,3 +99,37 @@ def kept_average(group: Any, buf: torch.Tensor, rank: int, weights: Sequence[int
     group.allreduce([buf]).wait(timeout)
     if kept and all(w == kept[0] for w in kept):
         buf.div_(len(kept))
+
+
+def slotted_average(group: Any, buf: torch.Tensor, rank: int, weights: Sequence[int], max_ratio: Optional[float],
+                    timeout: datetime.timedelta, refill: Callable[[torch.Tensor], None]
+                    ) -> tuple[list[int], dict[int, str]]:
+    """Average ``buf[:-n]`` (this member's contribution; ``n = len(weights)`` members) in place over the members
+    that :func:`screen` keeps, on the round's gloo ``group``; return the kept weights and why each other was left
+    out.
+
+    The last ``n`` values of ``buf`` are slots: this member writes the L2 norm of its contribution (accumulated in
+    float64, stored in float32, a finite one at most float32's largest) in slot ``rank`` and zeros in the others, so
+    that one allreduce carries the contributions and every member's norm (a sum with zeros: each norm arrives
+    exact). When every member is kept, that is the average: a plain mean (sum, then divided) when the members weigh
+    the same, else each contribution scaled by its weight's share before the sum, as :func:`kept_average`. When
+    the screen leaves members out, ``refill(buf[:-n])`` writes this member's contribution again and
+    :func:`kept_average` runs without them (every member takes the same branch).
+    """
+    n = len(weights)
+    data, slots = buf[:-n], buf[-n:]
+    norm = float(torch.linalg.vector_norm(data, dtype=torch.float64))
+    slots.zero_()
+    slots[rank] = min(norm, _FLOAT32_MAX) if math.isfinite(norm) else norm
+    equal = all(w == weights[0] for w in weights)
+    if not equal:
+        data.mul_(weights[rank] / max(1, sum(weights)))
+    group.allreduce([buf]).wait(timeout)
+    kept, why = screen(slots.tolist(), weights, max_ratio)
+    if kept == list(weights):
+        if equal:
+            data.div_(n)
+        return kept, why
+    refill(data)
+    kept_average(group, data, rank, kept, timeout)
+    return kept, why

@@ -111,6 +111,7 @@ class SyncSteps:
         self._pending: Optional[torch.Tensor] = None  # a joiner's first step: the average it took while joining
         self._residual: Optional[torch.Tensor] = None  # error feedback: this worker's quantization error
         self._candidate: Optional[torch.Tensor] = None  # the round's new residual, kept when it commits
+        self._buffer: Optional[torch.Tensor] = None  # the float32 average's, reused (written back before the next)
         # stats
         self.wait_seconds: list[float] = []
         self.agree_seconds: list[float] = []
@@ -149,10 +150,9 @@ class SyncSteps:
         quorum = agreement.result()
         self.wait_seconds = (self.wait_seconds + [time.monotonic() - waited])[-1024:]
         self.agree_seconds = (self.agree_seconds + [agreement.seconds])[-1024:]
-        flat = self._flat_grads()
         while True:
             rnd = self.ft.enter_round(quorum)
-            out = self._exchange(flat, rnd)
+            out = self._exchange(rnd)
             if self.ft.should_commit():
                 break
             _log.info("worker %r: step %d is run again over the live workers", self.ft.worker, self.steps)
@@ -168,7 +168,7 @@ class SyncSteps:
         """Take the first worker's state (the job's start) or a live peer's (a running job), before the forward."""
         while True:
             rnd = self.ft.enter_round(self.ft.agree(self.steps, 0))
-            out = self._exchange(torch.zeros(self._numel()), rnd) if rnd.part >= 0 else None
+            out = self._exchange(rnd, zeros=True) if rnd.part >= 0 else None
             if self.ft.should_commit():
                 break
         self._joined = True
@@ -204,10 +204,10 @@ class SyncSteps:
         return sum(p.numel() for p in self.params)
 
     @torch.no_grad()
-    def _flat_grads(self) -> torch.Tensor:
-        """The gradients as one float32 CPU vector (a parameter without one counts zeros)."""
+    def _flat_grads(self, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The gradients as one float32 CPU vector (a parameter without one counts zeros), into ``out`` if given."""
         return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
-                          for p in self.params])
+                          for p in self.params], out=out)
 
     @torch.no_grad()
     def _write(self, flat: torch.Tensor) -> None:
@@ -221,13 +221,19 @@ class SyncSteps:
             offset += p.numel()
 
     @torch.no_grad()
-    def _exchange(self, flat: torch.Tensor, rnd: Round) -> torch.Tensor:
-        """The round's average of ``flat`` (a new tensor); errors are recorded by ``ft`` (verdict: retry)."""
+    def _exchange(self, rnd: Round, zeros: bool = False) -> torch.Tensor:
+        """The round's average of the gradients (``zeros``: of zeros, a joiner's; a new tensor); errors are
+        recorded by ``ft`` (verdict: retry)."""
         self._candidate = None
-        if self.codec is None:
-            buf = flat.clone()
-            self.ft.allreduce(buf)  # weighted by samples; a healed member adds zeros
-            return buf
+        if self.codec is None:  # one allreduce, the screen's norms in a slot per member after the gradients
+            if self._buffer is None or self._buffer.numel() != self._numel() + rnd.size:
+                self._buffer = torch.empty(self._numel() + rnd.size)  # kept: its pages are touched already
+            buf = self._buffer
+            refill = (lambda data: data.zero_()) if zeros else (lambda data: self._flat_grads(out=data))
+            refill(buf[:-rnd.size])
+            self.ft.allreduce(buf, refill=refill)  # weighted by samples; a healed member adds zeros
+            return buf[:-rnd.size]
+        flat = torch.zeros(self._numel()) if zeros else self._flat_grads()
         if rnd.healed or rnd.weights[rnd.rank] == 0:
             x = torch.zeros_like(flat)
         elif self.error_feedback and self._residual is not None:
