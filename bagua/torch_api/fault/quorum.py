@@ -46,6 +46,7 @@ import atexit
 import collections
 import dataclasses
 import datetime
+import functools
 import logging
 import statistics
 import threading
@@ -70,6 +71,13 @@ _POLL_S = 0.02  # the store is polled every 2 ms for the first 0.2 s of a wait (
 
 def _pause(start: float) -> None:
     time.sleep(0.002 if time.monotonic() - start < 0.2 else _POLL_S)
+
+
+@functools.lru_cache(maxsize=8)
+def _quorum(payload: str) -> Quorum:
+    """:meth:`Quorum.from_json`, once per process for one record (several workers as threads of one process, as in
+    ``benchmarks.fault.quorum_load``, parse a closed quorum once; a quorum is immutable)."""
+    return Quorum.from_json(payload)
 
 
 class Excluded(Exception):
@@ -241,7 +249,7 @@ class Quorums(Verdicts):
                 rang = self._follow(key, "closed", lead, min(start + self.timeout_s, time.monotonic() + 5.0))
                 if rang == "dead":
                     lead = self._take_lead(key, lead.raw)
-            quorum = self._parse(f"q/{key}/closed", self._peek(f"q/{key}/closed"), Quorum.from_json)
+            quorum = self._parse(f"q/{key}/closed", self._peek(f"q/{key}/closed"), _quorum)
             if quorum is None and rang == "timeout" and self._gone(key):
                 raise Excluded(f"worker {self.worker!r}: quorum {key} closed long ago without it")
             if quorum is None and lead is not None and self._mine(lead):
@@ -364,6 +372,11 @@ class Quorums(Verdicts):
         except dist.DistStoreError as exc:
             if isinstance(exc, dist.DistNetworkError) or "timeout" not in str(exc).lower():
                 raise
+
+    def speak_for_worker(self) -> None:
+        """Record this process as the worker's again: in a worker of several ranks every rank wrote its own at
+        start, and the quorums' lead waits only for the process that is in the last quorum (the first rank's)."""
+        self._set(f"process/{self.worker}", self.incarnation)
 
     def close(self, finished: bool = False) -> None:
         """Stop the heartbeat (the others then stop waiting for this worker after ``stale_s``); ``finished``: this
