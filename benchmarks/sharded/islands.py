@@ -37,10 +37,12 @@ from typing import Optional, Sequence
 from benchmarks.common import netns
 from benchmarks.network import _child_env, _tail, _wait_all
 
-__all__ = ["IslandsCluster", "SYSTEMS", "run_islands_job", "add_ratios", "parse_args", "main"]
+__all__ = ["IslandsCluster", "SYSTEMS", "SYNC_SYSTEMS", "run_islands_job", "add_ratios", "parse_args", "main"]
 
 #: the systems between islands, as :mod:`benchmarks.sharded.sharded_gpt` names them; the first is the baseline
 SYSTEMS = ("hsdp", "bagua-hsdp", "bytegrad-hsdp", "diloco-hsdp")
+#: run only when ``--systems`` names them: Bagua's exchanges inside FSDP2's hook, what the overlap hides
+SYNC_SYSTEMS = ("bagua-hsdp-sync", "bytegrad-hsdp-sync")
 
 # the two ends of IslandsCluster.transfer_seconds, run with ``python -c`` in the hosts' namespaces
 _RECEIVE = """import socket, sys, time
@@ -183,6 +185,8 @@ def run_islands_job(cluster: IslandsCluster, system: str, job_args: Sequence[str
                step_times_s=per_step, mean_step_s=statistics.mean(timed), median_step_s=statistics.median(timed),
                link_bytes_run=sum(link[e] - link_start.get(e, 0) for e in link),
                host_tx_bytes_per_step=[r["tx_bytes"] / max(len(r["step_times_s"]), 1) for r in ranks])
+    if all("exchange_wait_s" in r for r in ranks):  # seconds the step waited for replica exchanges in flight
+        row["exchange_wait_s"] = [max(ws) for ws in zip(*(r["exchange_wait_s"] for r in ranks))]
     row.update(to_target.summarize(ranks))
     return row
 
@@ -202,7 +206,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """Parse the driver's arguments; the job's own (``--max-steps``, ``--target``, ...) pass through."""
     p = argparse.ArgumentParser(prog="python -m benchmarks.sharded.islands", description=__doc__.splitlines()[0])
     p.add_argument("--rates", default="100mbit,10mbit", help="link between the islands, tc spelling, comma list")
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=",".join(SYSTEMS),
+                   help=f"comma list of {', '.join(SYSTEMS + SYNC_SYSTEMS)}")
     p.add_argument("--per-island", type=int, default=2, help="hosts per island (the shard dimension)")
     p.add_argument("--repeats", type=int, default=1, help="rounds of all systems per rate (order rotated)")
     p.add_argument("--seeds", default="0", help="comma list; each seed is one round of all systems per rate")
@@ -215,9 +220,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     args, job = p.parse_known_args(argv)
     args.job_args = job
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in SYSTEMS]
+    unknown = [s for s in args.systems if s not in SYSTEMS + SYNC_SYSTEMS]
     if unknown:
-        p.error(f"unknown systems {unknown}; available: {', '.join(SYSTEMS)}")
+        p.error(f"unknown systems {unknown}; available: {', '.join(SYSTEMS + SYNC_SYSTEMS)}")
     args.rates = [r.strip() for r in args.rates.split(",") if r.strip()]
     for rate in args.rates:
         netns.parse_rate(rate)  # a misspelt rate fails now, not after the first runs

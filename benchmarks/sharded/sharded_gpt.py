@@ -11,7 +11,9 @@ the model, is ``fully_shard``-ed. Systems (:data:`SYSTEMS`):
   (``with_bagua(device_mesh=mesh, replicate_dim="replicate")``, bit-identical to ``hsdp``);
 - ``bytegrad-hsdp``: the same with ``bytegrad``, error feedback on (README, "Which algorithm for my link");
 - ``diloco-hsdp``: the same with streaming ``diloco`` at the README's 10 and 100 Mbit/s settings for 2 replicas
-  (:data:`DILOCO`).
+  (:data:`DILOCO`);
+- ``bagua-hsdp-sync``, ``bytegrad-hsdp-sync``: ``bagua-hsdp`` and ``bytegrad-hsdp`` with the replica exchanges run
+  inside FSDP2's hook (``overlap=False``, :mod:`bagua.torch_api.sharded.overlap`): what the overlap hides.
 
 Each rank trains on batches of its own (seeded by seed and rank; Adam, the GPT's lr), times every step, evaluates
 the validation loss of its own weights (averaged over all ranks) before the first step, every ``--eval-every``
@@ -34,7 +36,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["SYSTEMS", "DILOCO", "BYTEGRAD", "build_mesh", "shard_model", "make_system", "parse_args", "train",
+__all__ = ["SYSTEMS", "SYNC", "DILOCO", "BYTEGRAD", "build_mesh", "shard_model", "make_system", "parse_args", "train",
            "main"]
 
 #: streaming DiLoCo as the README picks it at 10 and 100 Mbit/s for 2 replicas (2 hosts)
@@ -48,7 +50,11 @@ SYSTEMS: dict[str, Optional[tuple[str, dict[str, Any]]]] = {
     "bagua-hsdp": ("gradient_allreduce", {}),
     "bytegrad-hsdp": ("bytegrad", BYTEGRAD),
     "diloco-hsdp": ("diloco", DILOCO),
+    "bagua-hsdp-sync": ("gradient_allreduce", {}),
+    "bytegrad-hsdp-sync": ("bytegrad", BYTEGRAD),
 }
+#: the systems whose replica exchanges run synchronously inside FSDP2's hook (``overlap=False``)
+SYNC = ("bagua-hsdp-sync", "bytegrad-hsdp-sync")
 
 
 def build_mesh(world: int, shards: int) -> Any:
@@ -84,6 +90,8 @@ def make_system(system: str, model: torch.nn.Module, mesh: Any, lr: float) -> tu
         name, kwargs = bagua
         model = model.with_bagua([optimizer], Algorithm.init(name, **kwargs), device_mesh=mesh,
                                  replicate_dim="replicate")
+        if system in SYNC:
+            model.bagua_sharded.overlap = False
     return model, optimizer
 
 
@@ -134,13 +142,15 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict:
     tx_start, start = read_tx_bytes(args.iface), time.perf_counter()
     metric = evaluate()
     eval_s = time.perf_counter() - start
-    curve, times, losses = [[0, 0.0, eval_s, metric]], [], []
+    curve, times, losses, waits = [[0, 0.0, eval_s, metric]], [], [], []
+    exchanges = getattr(getattr(model, "bagua_sharded", None), "_exchanges", None)
     hit = args.target is not None and metric <= args.target
     while not hit and len(times) < args.max_steps:
         x, y = batch(len(times))
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), exchanges.wait_s if exchanges is not None else 0.0
         losses.append(_step(model, optimizer, lm_loss, x, y))
         times.append(time.perf_counter() - t0)
+        waits.append(exchanges.wait_s - w0 if exchanges is not None else 0.0)
         step = len(times)
         if (args.eval_every and step % args.eval_every == 0) or step == args.max_steps:
             e0 = time.perf_counter()
@@ -158,7 +168,9 @@ def train(args: argparse.Namespace, rank: int, world: int) -> dict:
     return {
         "rank": rank, "world_size": world, "system": args.system, "model": args.model, "params": numel,
         "batch_size": args.batch_size, "warmup": args.warmup, "timed_steps": len(timed), "step_times_s": times,
-        "median_step_s": statistics.median(timed), "tx_bytes": tx_bytes, "iface": args.iface,
+        "median_step_s": statistics.median(timed), "exchange_wait_s": waits,
+        "exchanges_started": exchanges.started if exchanges is not None else 0, "tx_bytes": tx_bytes,
+        "iface": args.iface,
         "final_loss": statistics.mean(losses[-5:]), "settings": SYSTEMS[args.system],
         "to_target": {
             "metric": "val_loss", "higher_is_better": False, "target": args.target, "reached": hit,

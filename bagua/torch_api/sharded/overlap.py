@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import datetime
+import time
 from typing import Any, Callable, Optional
 
 import torch
@@ -99,6 +100,8 @@ class PendingExchanges:
         #: exchanges started here (left in flight), and the most in flight at once: what overlapped
         self.started = 0
         self.most_in_flight = 0
+        #: seconds :meth:`wait` spent blocked on exchanges that had not finished: what did not overlap
+        self.wait_s = 0.0
 
     def __len__(self) -> int:
         return len(self._pending)
@@ -140,6 +143,15 @@ class PendingExchanges:
         """Wait for every exchange started, in the order started; raise (naming the rank) if one failed."""
         timeout_s = env.get_comm_timeout_s()
         pending, self._pending = self._pending, []
+        if not pending:
+            return
+        start = time.perf_counter()
+        try:
+            self._wait_all(pending, timeout_s)
+        finally:
+            self.wait_s += time.perf_counter() - start
+
+    def _wait_all(self, pending: list[tuple[str, Any, Optional[Callable[[], None]]]], timeout_s: float) -> None:
         for kind, handle, finish in pending:
             if kind == "job":
                 handle.wait(timeout_s)
