@@ -337,7 +337,7 @@ class Quorums(Verdicts):
         ids = {m.id for m in arrived}
         now = time.monotonic()
         if first:
-            missing, until = self.workers - len(ids), start + self.timeout_s
+            missing, until = self.workers - len(ids), min(start + self.timeout_s, now + 5.0)
         else:
             waited = self._waited_for(key, ids)
             enough = len(ids) >= self.min_quorum and any(not m.joining for m in arrived)
@@ -345,8 +345,9 @@ class Quorums(Verdicts):
             missing = 0 if enough and (late or not waited) else max(1, len(waited))
             until = min(start + self.timeout_s, now + self.heartbeat.period_s,
                         start + self.deadline() if not late else now + self.heartbeat.period_s)
-        if missing > 0:
-            self._await_slot(key, self._arrived_at[2] + missing, until)
+        if missing > 0:  # a slot taken but not written yet comes first (it is on its way)
+            _, pending, through, _ = self._arrived_at
+            self._await_slot(key, pending[0] if pending else through + missing, until)
             return None
         latest = None if first else self._parse("latest", self._peek("latest"), int)
         if latest is not None and latest >= key:  # it closed, and its records were deleted since: never again
