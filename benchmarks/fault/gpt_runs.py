@@ -104,9 +104,11 @@ def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, w
         coordinator.wait()
     rejoin_times(kills)
     useful = sum(life.last_sync - int(life.joined["step"]) for life in lives if life.joined)
-    out = outcome(evals(current[0].lines, 0), start, args.target)
+    evaluations = evals(current[0].lines, 0)
+    out = outcome(evaluations, start, args.target)
     return {"mode": mode, "kill_every": kill_every, "seed": seed, "kills": kills,
-            "goodput": useful / (WORKERS * max(int(out["steps_to_target"] or 0), 1)), **out}
+            "goodput": useful / (WORKERS * max(int(out["steps_to_target"] or 0), 1)),
+            "last_eval": {k: v for k, v in evaluations[-1].items() if k != "kind"} if evaluations else None, **out}
 
 
 def run_restart(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, workdir: Path, module: str,

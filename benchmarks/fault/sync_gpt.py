@@ -148,6 +148,10 @@ def worker(args: argparse.Namespace) -> None:
                 with torch.no_grad():
                     loss = float(lm_loss(replica(val_x), val_y))
                 fields = {"loss": f"{loss:.5f}", "eval_s": f"{time.perf_counter() - t0:.3f}"}
+                if sync is not None and sync.wait_seconds:  # the quorum so far; its cost not hidden
+                    fields |= {"heals": ft.heals, "left_out": ft.left_out, "retries": ft.retries,
+                               "wait_ms": f"{1e3 * statistics.median(sync.wait_seconds[-50:]):.2f}",
+                               "agree_ms": f"{1e3 * statistics.median(sync.agree_seconds[-50:]):.2f}"}
             if ft is None and every and step % every == 0:
                 save_checkpoint(step, args.ckpt_dir, model, opt)
             say("step", rank=rank, step=step, sync=1, attempt=attempt, **fields)
