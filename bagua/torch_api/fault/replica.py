@@ -180,6 +180,8 @@ class FaultTolerance(MemberCollectives):
         self.ranks = WorkerRanks(ranks, timeout_s=2 * self.quorums.timeout_s + 60.0)
         if self.ranks.rank != 0:
             self.quorums.close()
+        else:  # after every rank's start (the group above is collective): the first rank is the worker's process
+            self.quorums.speak_for_worker()
 
     def register(self, state_dict: StateDict, load_state_dict: LoadStateDict, settings: str,
                  needs: str = "the same settings", optimizer: Optional[torch.optim.Optimizer] = None) -> None:
