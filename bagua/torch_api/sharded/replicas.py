@@ -24,6 +24,8 @@ algorithm it extends:
   (the replica's slowest step time, its tokens), so every shard of a replica takes the same inner steps.
   With ``DiLoCoAlgorithm(fault_tolerance=...)`` each replica is a job of its own that may fail alone (a ``(1, S)``
   mesh per worker): the shards are averaged over the round's live workers (:mod:`bagua.torch_api.fault.replica`).
+  So do gradient allreduce and ByteGrad with ``fault_tolerance=...``: each step's gradient shards are averaged
+  over a quorum of live replicas (:mod:`bagua.torch_api.sharded.sync_fault`).
 
 Example:
     >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # doctest: +SKIP
@@ -50,6 +52,7 @@ from bagua.torch_api.ops.diloco_driver import DiLoCoDriver
 from bagua.torch_api.sharded.checkpoint import load_sharded_state_dict, sharded_state_dict
 from bagua.torch_api.sharded.mesh import check_mesh, fsdp_units, local_shard, replica_groups
 from bagua.torch_api.sharded.overlap import PendingExchanges, can_overlap, overlap_default
+from bagua.torch_api.sharded.sync_fault import ShardedSyncSteps
 
 __all__ = ["ShardedReplicas", "SUPPORTED", "replica_hook"]
 
@@ -118,13 +121,8 @@ class ShardedReplicas:
                              "GradScaler skips the step everywhere")
         index, shard_dim = check_mesh(device_mesh, replicate_dim)
         self.fault = getattr(algorithm, "fault_tolerance", None)
-        if self.fault is not None and self.hook != "diloco":
-            raise ValueError(f"{type(algorithm).__name__}(fault_tolerance=...) on sharded replicas (device_mesh=...) "
-                             "is not supported yet: use it on whole-model workers (with_bagua without "
-                             "device_mesh, one process per worker), or DiLoCoAlgorithm(fault_tolerance=...) on "
-                             "sharded replicas")
         if self.fault is not None and device_mesh.mesh.shape[index] != 1:
-            raise ValueError(f"DiLoCoAlgorithm(fault_tolerance=...) with device_mesh=...: each worker is one replica "
+            raise ValueError(f"{name}(fault_tolerance=...) with device_mesh=...: each worker is one replica "
                              f"(its own job; the replicas are the workers), but the mesh's {replicate_dim!r} "
                              f"dimension has {device_mesh.mesh.shape[index]}; build the mesh as (1, shards), e.g. "
                              "init_device_mesh('cpu', (1, world_size), mesh_dim_names=('replicate', 'shard'))")
@@ -171,6 +169,8 @@ class ShardedReplicas:
         self._warm = False  # and it was a warm-up step
         self._handles: list[Any] = []
         self._exchanges = PendingExchanges(self.communicator, "sharded replicas")
+        #: gradient allreduce and ByteGrad with fault_tolerance: each step a round over the live replicas
+        self.sync: Optional[ShardedSyncSteps] = None
         self._install()
 
     # -- set-up ------------------------------------------------------------------------------------------------
@@ -187,6 +187,12 @@ class ShardedReplicas:
         from torch.distributed.fsdp import FSDPModule
 
         fsdp_modules = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+        if self.fault is not None and self.hook != "diloco":
+            self.sync = ShardedSyncSteps(self.module, self.optimizer, self.algorithm, self.hook)
+            self._handles.extend(self.sync.handles)
+            for m in fsdp_modules:
+                m.set_all_reduce_hook(self.sync.reduce_hook)
+            return
         for i, m in enumerate(fsdp_modules):
             m.set_all_reduce_hook(self._hook_for(i, m))
         if self.hook in ("allreduce", "bytegrad"):  # what is in flight lands before any optimizer steps
