@@ -119,6 +119,6 @@ def test_a_member_stalled_until_its_quorum_was_deleted_is_left_out(coordinator):
         t0 = time.monotonic()
         with pytest.raises(Excluded):
             qs[2].wait(2, ME)  # quorum 2 closed long ago and is gone: not closed again with w2 alone
-        assert time.monotonic() - t0 < 5.0
+        assert time.monotonic() - t0 < 12.0  # a follower of a deleted bell looks again every 5 s
     for q in qs:
         q.close()

@@ -227,11 +227,11 @@ class Quorums(Verdicts):
         ``timeout_s``. The member that takes the quorum's lead closes it; the others wait on its bell (a joiner, who
         never closes a round, polls the one closed record, and once a second whether the job has ended)."""
         me = dataclasses.replace(me, id=self.worker, incarnation=self.incarnation)
-        if not self._waited:
-            self._waited = True
-            self._bury_predecessor(key)
         slot = self.store.add(self._k(f"q/{key}/n"), 1)
         self._set(f"q/{key}/slot/{slot}", me.to_json())
+        if not self._waited:  # after the slot: a member that takes the dead lead over reads this process's slot
+            self._waited = True
+            self._bury_predecessor(key)
         self._forget_at(key, [self._k(f"q/{key}/slot/{slot}")])
         start = time.monotonic()
         if not me.joining:
