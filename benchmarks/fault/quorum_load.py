@@ -13,7 +13,9 @@ released at once by a barrier. Per size it measures:
   ``hb_ops_per_s``: the heartbeat connections' calls per second (they run between rounds too);
 - ``coordinator_cpu_ms_per_round``: the coordinator process's CPU time (user + system) per round: the store's
   work, heartbeats included;
-- ``coordinator_rss_mib``: the coordinator's resident memory after the size's rounds (the store keeps every key).
+- ``coordinator_rss_mib``: the coordinator's resident memory after the size's rounds; ``keys_per_round``: how
+  many keys the store gains per round (every worker deletes its records a few quorums back: about 0, the memory
+  flat), ``keys``: the store's keys after the size's rounds (and a heartbeat, when the last deletions run).
 
 Ratios are printed against the 4-worker round of the same run. Example::
 
@@ -71,7 +73,7 @@ def _cpu_s(pid: int) -> float:
 
 def measure(address: str, coordinator_pid: int, n: int, rounds: int, heartbeat_s: float, stale_s: float) -> dict:
     """Run ``rounds`` rounds (after the job's first) of ``n`` workers as threads; return the figures of one size."""
-    from bagua.torch_api.fault.quorum import Quorums
+    from bagua.torch_api.fault.quorum import Quorums, connect_store
     from bagua.torch_api.fault.records import Member
 
     ops, hb_ops = [0], [0]
@@ -81,10 +83,11 @@ def measure(address: str, coordinator_pid: int, n: int, rounds: int, heartbeat_s
     for q in qs:
         q.store = CountingStore(q.store, ops)
         q.heartbeat.store = CountingStore(q.heartbeat.store, hb_ops)
+    keys = connect_store(address, 60.0, "the load test")  # counts the store's keys, outside the rounds
     barrier = threading.Barrier(n)
     starts = [[0.0] * n for _ in range(rounds + 1)]
     ends = [[0.0] * n for _ in range(rounds + 1)]
-    marks: list[tuple[int, int, float]] = []  # (main ops, heartbeat ops, coordinator CPU s) at each round's barrier
+    marks: list[tuple[int, int, float, int]] = []  # (main ops, heartbeat ops, coordinator CPU s, keys) per round
     hb_clock: list[float] = []
     errors: list[BaseException] = []
 
@@ -93,7 +96,7 @@ def measure(address: str, coordinator_pid: int, n: int, rounds: int, heartbeat_s
         try:
             for r in range(rounds + 1):
                 if barrier.wait() == 0:
-                    marks.append((ops[0], hb_ops[0], _cpu_s(coordinator_pid)))
+                    marks.append((ops[0], hb_ops[0], _cpu_s(coordinator_pid), keys.num_keys()))
                     hb_clock.append(time.perf_counter())
                 starts[r][i] = time.perf_counter()
                 me = Member(round=r, joining=r == 0, samples=1, part=0)
@@ -103,7 +106,8 @@ def measure(address: str, coordinator_pid: int, n: int, rounds: int, heartbeat_s
                 ends[r][i] = time.perf_counter()
             barrier.wait()
             if i == 0:
-                marks.append((ops[0], hb_ops[0], _cpu_s(coordinator_pid)))
+                time.sleep(1.5 * heartbeat_s)  # the heartbeats delete what the last rounds handed them
+                marks.append((ops[0], hb_ops[0], _cpu_s(coordinator_pid), keys.num_keys()))
                 hb_clock.append(time.perf_counter())
         except BaseException as exc:  # noqa: BLE001 - reported by the caller
             errors.append(exc)
@@ -128,7 +132,8 @@ def measure(address: str, coordinator_pid: int, n: int, rounds: int, heartbeat_s
             "round_ms_min": 1e3 * min(round_s), "close_ms": 1e3 * statistics.median(close_s),
             "ops_per_round": main_ops, "ops_per_worker_round": main_ops / n, "hb_ops_per_s": hb,
             "coordinator_cpu_ms_per_round": cpu_ms,
-            "coordinator_rss_mib": _rss_mib(coordinator_pid)}
+            "coordinator_rss_mib": _rss_mib(coordinator_pid), "keys": marks[-1][3],
+            "keys_per_round": (marks[-1][3] - marks[1][3]) / rounds}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"({row['ops_per_worker_round']:.1f}/worker), coordinator CPU "
                   f"{row['coordinator_cpu_ms_per_round']:.1f} ms/round, "
                   f"heartbeats {row['hb_ops_per_s']:.0f} ops/s, "
-                  f"coordinator RSS {row['coordinator_rss_mib']:.1f} MiB", flush=True)
+                  f"coordinator RSS {row['coordinator_rss_mib']:.1f} MiB, store keys {row['keys']} "
+                  f"({row['keys_per_round']:+.1f}/round)", flush=True)
     finally:
         proc.terminate()
         proc.wait()
