@@ -188,7 +188,7 @@ class ShardedReplicas:
 
         fsdp_modules = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
         if self.fault is not None and self.hook != "diloco":
-            self.sync = ShardedSyncSteps(self.module, self.optimizer, self.algorithm, self.hook)
+            self.sync = ShardedSyncSteps(self.module, self.optimizers, self.algorithm, self.hook)
             self._handles.extend(self.sync.handles)
             for m in fsdp_modules:
                 m.set_all_reduce_hook(self.sync.reduce_hook)

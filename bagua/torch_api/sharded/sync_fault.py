@@ -25,8 +25,7 @@ Example:
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -35,8 +34,6 @@ from bagua.torch_api.fault.replica import FaultTolerance
 from bagua.torch_api.fault.synchronous import OPTIMIZER_PREFIX, SyncSteps
 
 __all__ = ["ShardSteps", "ShardedSyncSteps"]
-
-_log = logging.getLogger(__name__)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -72,7 +69,7 @@ class ShardSteps(SyncSteps):
     parameters (the same on every shard rank, also when FSDP2 shards them unevenly).
 
     Example:
-        >>> steps = ShardSteps(ft, list(model.parameters()), opt, name="GradientAllReduceAlgorithm (sharded)")  # doctest: +SKIP
+        >>> steps = ShardSteps(ft, list(model.parameters()), opt)  # doctest: +SKIP
     """
 
     def __init__(self, ft: FaultTolerance, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
@@ -143,28 +140,33 @@ class ShardedSyncSteps:
 
     Args:
         module: the model, ``fully_shard``-ed over this replica's ranks.
-        optimizer: the one optimizer stepping it (its whole state heals a joiner, shard by shard).
+        optimizers: the optimizer stepping it, one (its whole state heals a joiner, shard by shard).
         algorithm: ``GradientAllReduceAlgorithm`` or ``ByteGradAlgorithm`` with ``fault_tolerance=``.
         hook: how the algorithm exchanges (``"allreduce"`` or ``"bytegrad"``).
 
     Attributes: ``steps`` (this rank's :class:`ShardSteps`), ``handles`` (the hooks to remove on close).
 
     Example:
-        >>> sync = ShardedSyncSteps(model, opt, GradientAllReduceAlgorithm(fault_tolerance=ft), "allreduce")  # doctest: +SKIP
+        >>> sync = ShardedSyncSteps(model, [opt], GradientAllReduceAlgorithm(fault_tolerance=ft),
+        ...                         "allreduce")  # doctest: +SKIP
     """
 
-    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, algorithm: Any,
+    def __init__(self, module: torch.nn.Module, optimizers: Sequence[torch.optim.Optimizer], algorithm: Any,
                  hook: str) -> None:
         ft = algorithm.fault_tolerance
         if not isinstance(ft, FaultTolerance):
             raise ValueError(f"{type(algorithm).__name__}(fault_tolerance=...) takes a "
                              f"bagua.torch_api.fault.FaultTolerance, got {ft!r}")
+        if len(optimizers) != 1:
+            raise ValueError(f"{type(algorithm).__name__}(fault_tolerance=...) heals a joining replica with one "
+                             f"optimizer's state; with_bagua got {len(optimizers)}: step the model with one")
         params = [p for p in module.parameters() if p.requires_grad]
         if not params:
             raise ValueError(f"{type(algorithm).__name__}(fault_tolerance=...): the model has no trainable parameter")
         codec = getattr(algorithm, "codec", None) if hook == "bytegrad" else None
         self.module = module
-        self.steps = ShardSteps(ft, params, optimizer, codec=codec, block_size=getattr(algorithm, "block_size", 4096),
+        self.steps = ShardSteps(ft, params, optimizers[0], codec=codec,
+                                block_size=getattr(algorithm, "block_size", 4096),
                                 error_feedback=bool(getattr(algorithm, "error_feedback", False)) and codec is not None,
                                 name=f"{type(algorithm).__name__} (sharded)")
         self._queued = False  # this backward's end-of-backward exchange is queued
