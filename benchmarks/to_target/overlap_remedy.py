@@ -35,7 +35,7 @@ import json
 import statistics
 from typing import Optional, Sequence
 
-__all__ = ["W", "W_NF2", "REMEDY", "STEPS", "PICKS", "report", "main"]
+__all__ = ["W", "W_NF2", "REMEDY", "REMEDY_WHOLE", "STEPS", "PICKS", "report", "main"]
 
 #: today's 8-host pick (and the 4-host uint4 pick of 2026-11-28): the warmed-up Nesterov outer step, uint4
 W = "diloco:sync_every=10:hierarchical=False:compression=uint4:outer_lr=1.0:outer_momentum=0.5:outer_lr_warmup=10"
@@ -43,12 +43,16 @@ W = "diloco:sync_every=10:hierarchical=False:compression=uint4:outer_lr=1.0:oute
 W_NF2 = W.replace("compression=uint4", "compression=nf2:block_size=256")
 #: the candidate: five fragments, each exchanged behind one inner step
 REMEDY = W + ":fragments=5:overlap_steps=1"
+#: the same taking the outer step whole at the merge (the inner step made meanwhile is dropped)
+REMEDY_WHOLE = REMEDY + ":overlap_alpha=0.0"
 
 #: (hosts, system) -> (steps to val loss 2.40 per seed, where they were measured); seeds 0, 1, 2 in order
 STEPS: dict[tuple[int, str], tuple[list[int], str]] = {
     (4, "ddp"): ([320, 320, 380], "to-target-gpt-4hosts-outer.json"),
     (4, W): ([200, 280, 240], "to-target-gpt-4hosts-outer.json"),
     (4, W_NF2): ([220, 300, 240], "to-target-gpt-4hosts-nf2.json"),
+    (4, REMEDY): ([400], "overlap-remedy-4hosts-f5t1-s0.json (seed 0)"),
+    (4, REMEDY_WHOLE): ([240, 280], "overlap-remedy-4hosts-f5t1-alpha0-s{0,1}.json (seeds 0-1)"),
     (8, "ddp"): ([320, 300, 300], "to-target-gpt-8hosts.json"),
     (8, W): ([200, 180, 200], "to-target-gpt-8hosts.json"),
 }
