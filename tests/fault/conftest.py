@@ -8,13 +8,13 @@ from typing import Iterator
 import pytest
 
 from bagua.torch_api.fault.coordinator import start_coordinator
-from tests.fault.test_quorum import _free_port
+from tests.fault.jobs import free_port
 
 
 @contextlib.contextmanager
 def running_coordinator() -> Iterator[str]:
     """A coordinator process on a free loopback port, killed on exit: its ``host:port``."""
-    port = _free_port()
+    port = free_port()
     proc = start_coordinator("127.0.0.1", port)
     try:
         yield f"127.0.0.1:{port}"

@@ -4,28 +4,25 @@ It trains ``make_model(index)`` through ``with_bagua`` and ``GradientAllReduceAl
 (``--algorithm bytegrad``: ``ByteGradAlgorithm(codec="uint8", error_feedback=True, fault_tolerance=...)``), AdamW,
 one process per worker (a one-process Bagua job each), on ``batch(index, step)`` at the job's step. ``--die step:S``
 SIGKILLs it before its step S, ``--die exchange:N`` at the start of its N-th collective over a round's members (the
-peers already in it). ``--hold DIR``: a restarted worker writes ``DIR/arrived`` before its first step, and the
-others wait for it before their step ``--hold-step`` (a loaded machine may take longer to restart a worker than
-the job to end). At the end it saves its weights, optimizer state, counters and statistics to ``--out``.
+peers already in it); ``--hold DIR``: see tests/fault/ft_worker.py. At the end it saves its weights, optimizer
+state, counters and statistics to ``--out``.
 """
 
 from __future__ import annotations
 
-import os
 import time
 
 import torch
 
-from tests.fault.ft_worker import _die, die_at_average, worker_parser
+from tests.fault.ft_worker import Hold, _die, add_hold, die_at_average, worker_parser
 from tests.torch_api.models import batch, make_model
 
 
 def main() -> None:
     ap = worker_parser()
+    add_hold(ap)
     ap.add_argument("--algorithm", choices=["allreduce", "bytegrad"], default="allreduce")
     ap.add_argument("--lr", type=float, default=0.01)
-    ap.add_argument("--hold", default="")
-    ap.add_argument("--hold-step", type=int, default=10)
     args = ap.parse_args()
 
     import bagua.torch_api as bagua
@@ -46,16 +43,12 @@ def main() -> None:
                  ByteGradAlgorithm(codec="uint8", error_feedback=True, fault_tolerance=ft))
     model = model.with_bagua([opt], algorithm)
     steps = model.bagua_ddp.impl.steps
-    restarted = os.environ.get("BAGUA_TEST_RESTARTED") == "1"
-    arrived = os.path.join(args.hold, "arrived") if args.hold else ""
-    if arrived and restarted:
-        open(arrived, "w").close()
+    hold = Hold(args)
     while steps.steps < args.steps:
         step = steps.steps + 1
-        if kind == "step" and step == int(at) and not restarted:
+        if kind == "step" and step == int(at) and not hold.restarted:
             _die()
-        while arrived and step >= args.hold_step and not os.path.exists(arrived):
-            time.sleep(0.05)
+        hold.before(step)
         x, y = batch(args.index, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()

@@ -5,7 +5,9 @@ average (the quorum closed, the peers already in the allreduce), ``--die serve``
 state to a joiner; ``--stall S`` SIGSTOPs it before step S (the test sends SIGCONT). At the end it saves its
 global weights, weights, counters and statistics to ``--out``. ``--api algorithm`` trains through ``with_bagua`` and
 ``DiLoCoAlgorithm(fault_tolerance=...)`` (a single-process Bagua job per worker) instead of ``DiLoCoOptimizer``.
-``--poison nan`` / ``--poison x1e6`` makes every pseudo-gradient it contributes NaN / a million times its own (a
+``--hold DIR``: a restarted worker (``BAGUA_TEST_RESTARTED=1``) writes ``DIR/arrived`` before its first step, the others
+wait for it before their step ``--hold-step`` (a loaded machine may take longer to restart a worker than the job to
+end). ``--poison nan`` / ``--poison x1e6`` makes every pseudo-gradient it contributes NaN / a million times its own (a
 bad worker), ``--poison nan-once`` only its first; the job's secret, if any, comes from the environment (``BAGUA_JOB_SECRET_FILE``).
 """
 
@@ -37,6 +39,42 @@ def worker_parser() -> argparse.ArgumentParser:
     ap.add_argument("--die", default="")
     ap.add_argument("--out", required=True)
     return ap
+
+
+def add_hold(ap: argparse.ArgumentParser) -> None:
+    """The arguments of :class:`Hold`: ``--hold DIR`` and ``--hold-step S``."""
+    ap.add_argument("--hold", default="")
+    ap.add_argument("--hold-step", type=int, default=10)
+
+
+class Hold:
+    """``--hold DIR``: a restarted worker says it is back (``DIR/arrived``); the others wait for that before their
+    step ``--hold-step``, so a slow restart still finds the job running. ``at_quorum``: it says so as it arrives at
+    its first quorum (a DiLoCo worker joins while it is built) rather than at once."""
+
+    def __init__(self, args: argparse.Namespace, at_quorum: bool = False) -> None:
+        self.restarted = os.environ.get("BAGUA_TEST_RESTARTED") == "1"
+        self.arrived = os.path.join(args.hold, "arrived") if args.hold else ""
+        self.step = args.hold_step
+        if not (self.arrived and self.restarted):
+            return
+        if not at_quorum:
+            open(self.arrived, "w").close()
+            return
+        from bagua.torch_api.fault import FaultTolerance
+
+        agree, arrived = FaultTolerance.agree, self.arrived
+
+        def announcing(ft, *a, **k):
+            open(arrived, "w").close()
+            return agree(ft, *a, **k)
+
+        FaultTolerance.agree = announcing
+
+    def before(self, step: int) -> None:
+        """Wait, before ``step``, for the restarted worker if it is due and not back yet."""
+        while self.arrived and step >= self.step and not os.path.exists(self.arrived):
+            time.sleep(0.05)
 
 
 def die_at_average(n: int) -> None:
@@ -79,6 +117,7 @@ def poison(kind: str) -> None:
 
 def main() -> None:
     ap = worker_parser()
+    add_hold(ap)
     ap.add_argument("--fragments", type=int, default=1)
     ap.add_argument("--min-quorum", type=int, default=1)
     ap.add_argument("--stall", type=int, default=0)
@@ -101,16 +140,19 @@ def main() -> None:
     elif kind == "serve":
         transfer._before_bucket_send = lambda k, bucket: _die()
 
+    if args.api == "algorithm":
+        import bagua.torch_api as bagua
+
+        bagua.init_process_group()  # no launcher: a job of one process
     ft = FaultTolerance(args.coordinator, worker=f"w{args.index}", workers=args.workers,
                         min_quorum=args.min_quorum, deadline_s=None, exchange_timeout_s=5.0, heartbeat_s=0.2,
                         stale_s=1.5, timeout_s=args.timeout_s)
+    hold = Hold(args, at_quorum=True)
     model = make_model(args.index)
     inner = torch.optim.AdamW(model.parameters(), lr=0.01)
     if args.api == "algorithm":
-        import bagua.torch_api as bagua
         from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 
-        bagua.init_process_group()  # no launcher: a job of one process
         model = model.with_bagua([inner], DiLoCoAlgorithm(sync_every=args.sync_every, fragments=args.fragments,
                                                           compression=args.compression, fault_tolerance=ft,
                                                           **outer))
@@ -121,8 +163,9 @@ def main() -> None:
         d = opt.driver
     while d.steps < args.steps:
         step = d.steps + 1
-        if kind == "inner" and step == int(at):
+        if kind == "inner" and step == int(at) and not hold.restarted:
             _die()
+        hold.before(step)
         if args.stall and step == args.stall:
             os.kill(os.getpid(), signal.SIGSTOP)
         x, y = batch(args.index, step)

@@ -68,7 +68,7 @@ def secret(tmp_path_factory) -> Path:
 def alone(secret, tmp_path_factory) -> list[dict]:
     """The job run alone: its workers' results (the reference)."""
     from bagua.torch_api.fault.coordinator import start_coordinator
-    from tests.fault.test_quorum import _free_port
+    from tests.fault.jobs import free_port as _free_port
 
     port = _free_port()
     proc = start_coordinator("127.0.0.1", port)

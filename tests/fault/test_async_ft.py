@@ -19,10 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import signal
 import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,60 +27,46 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bagua.torch_api.fault.coordinator import start_coordinator
-from tests.fault.test_quorum import _free_port, _tails
+from tests.fault.jobs import Job, python_module, run_job
 from tests.torch_api.models import batch, make_model, params_of
 
-ROOT = Path(__file__).resolve().parents[2]
 H, LR, BETA, WARMUP = 4, 0.8, 0.5, 2
 
 
 def _spawn(i: int, port: int, workers: int, steps: int, step_s: float, out: Path, log: Path,
            extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tests.fault.ft_async_worker", "--coordinator", f"127.0.0.1:{port}", "--index",
-           str(i), "--workers", str(workers), "--steps", str(steps), "--sync-every", str(H), "--step-s", str(step_s),
-           "--outer", f"{LR},{BETA},{WARMUP}", "--out", str(out), *extra]
-    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1"),
-                            stdout=log.open("a"), stderr=subprocess.STDOUT)
+    return python_module("tests.fault.ft_async_worker", [
+        "--coordinator", f"127.0.0.1:{port}", "--index", str(i), "--workers", str(workers), "--steps", str(steps),
+        "--sync-every", str(H), "--step-s", str(step_s), "--outer", f"{LR},{BETA},{WARMUP}", "--out", str(out),
+        *extra], log)
 
 
 def _job(tmp_path: Path, workers: int, steps: int, step_s: float, die: dict[int, str],
          timeout_s: float = 120.0) -> list[dict]:
     """Run the job of worker processes, restarting (once) a worker that was SIGKILLed; the others hold their
     ``close()`` until the restarted one beats (so the job has not ended when it joins, however slow its start)."""
-    port = _free_port()
-    coordinator = start_coordinator("127.0.0.1", port)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
-    outs = [tmp_path / f"w{i}.pt" for i in range(workers)]
-    logs = [tmp_path / f"w{i}.log" for i in range(workers)]
     hold = tmp_path / "go"
-    procs: dict[int, subprocess.Popen] = {}
-    try:
-        procs = {i: _spawn(i, port, workers, steps, step_s, outs[i], logs[i],
-                           ["--die", die[i]] if i in die else ["--hold", str(hold)]) for i in range(workers)}
-        restarted: dict[int, int] = {}  # worker -> its heartbeat count when restarted
-        start = time.monotonic()
-        while any(p.poll() is None for p in procs.values()):
-            for i, p in procs.items():
-                if p.poll() == -signal.SIGKILL and i not in restarted:
-                    restarted[i] = store.add(f"async/hb/w{i}", 0)
-                    procs[i] = _spawn(i, port, workers, steps, step_s, outs[i], logs[i], [])
-            if set(restarted) == set(die) and all(store.add(f"async/hb/w{i}", 0) > n + 1 for i, n in
-                                                  restarted.items()):
-                hold.touch()
-            if time.monotonic() - start > timeout_s:
-                raise AssertionError(f"the job did not end within {timeout_s} s: " + _tails(logs))
-            time.sleep(0.05)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-        coordinator.kill()
-        coordinator.wait()
-    codes = {i: p.returncode for i, p in procs.items()}
-    assert all(c == 0 for c in codes.values()), f"exit codes {codes}: " + _tails(logs)
-    assert set(restarted) == set(die), restarted
-    return [dict(torch.load(o, weights_only=True), log=logs[i].read_text()) for i, o in enumerate(outs)]
+    beats: dict[int, int] = {}  # restarted worker -> its heartbeat count when restarted
+    stores: dict[int, dist.TCPStore] = {}
+
+    def beat(port: int, i: int) -> int:
+        if port not in stores:
+            stores[port] = dist.TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False)
+        return stores[port].add(f"async/hb/w{i}", 0)
+
+    def spawn(i: int, port: int, out: Path, log: Path, again: bool) -> subprocess.Popen:
+        if again:
+            beats[i] = beat(port, i)
+        extra = [] if again else ["--die", die[i]] if i in die else ["--hold", str(hold)]
+        return _spawn(i, port, workers, steps, step_s, out, log, extra)
+
+    def on_poll(job: Job) -> None:
+        if set(beats) == set(die) and all(beat(job.port, i) > n + 1 for i, n in beats.items()):
+            hold.touch()
+
+    results, _, job = run_job(tmp_path, workers, spawn, on_poll=on_poll, timeout_s=timeout_s)
+    assert set(job.restarted) == set(die), job.restarted
+    return results
 
 
 def _same_end(results: list[dict], steps: int) -> None:

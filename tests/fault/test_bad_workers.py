@@ -84,7 +84,7 @@ def _diloco(tmp_path: Path, name: str, workers: int, secret: Path, coordinator: 
 
 def test_diloco_goes_on_without_a_poisoning_worker(tmp_path):
     from bagua.torch_api.fault.coordinator import start_coordinator
-    from tests.fault.test_quorum import _free_port
+    from tests.fault.jobs import free_port as _free_port
 
     secret = Path(new_secret(str(tmp_path / "job.secret")))
     runs = {}

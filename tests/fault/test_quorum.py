@@ -20,38 +20,37 @@ checks read what each worker saved at the end:
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from bagua.torch_api.fault.coordinator import start_coordinator
+from tests.fault.jobs import Job, free_port, python_module, run_job, tails
 from tests.harness import run_workers
 from tests.torch_api.models import batch, make_model
 
-ROOT = Path(__file__).resolve().parents[2]
 WORKERS, STEPS, H = 3, 48, 4
-PACED = ["--step-s", "0.25"]  # 12 s of rounds: time for a killed worker to restart and rejoin
+PACED = ["--step-s", "0.25"]  # 12 s of rounds: time for a stopped worker to be left out and readmitted
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _held(tmp_path: Path) -> list[str]:
+    """The survivors wait before the job's second-last round until the restarted worker is back (tests/fault/
+    ft_worker.py's ``--hold``): however slowly it restarts, it rejoins a running job and heals."""
+    return ["--step-s", "0.02", "--hold", str(tmp_path), "--hold-step", str(STEPS - 2 * H + 1)]
 
 
-def _spawn(i: int, port: int, out: Path, extra: list[str], log: Path, api: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tests.fault.ft_worker", "--coordinator", f"127.0.0.1:{port}", "--index", str(i),
-           "--workers", str(WORKERS), "--steps", str(STEPS), "--sync-every", str(H), "--out", str(out),
-           "--api", api, *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT)
+_free_port, _tails = free_port, tails  # the names the other fault tests import
+
+
+def _spawn(i: int, port: int, out: Path, extra: list[str], log: Path, api: str,
+           restarted: bool = False) -> subprocess.Popen:
+    return python_module("tests.fault.ft_worker", [
+        "--coordinator", f"127.0.0.1:{port}", "--index", str(i), "--workers", str(WORKERS), "--steps", str(STEPS),
+        "--sync-every", str(H), "--out", str(out), "--api", api, *extra], log,
+        BAGUA_TEST_RESTARTED="1" if restarted else "0")
 
 
 def _stopped(p: subprocess.Popen) -> bool:
@@ -67,49 +66,28 @@ def _job(tmp_path: Path, extra: dict[int, list[str]], restart: bool = False, sta
     """Run the job; restart a worker that was SIGKILLed (once); SIGCONT a stopped one after ``stall_s``; with
     ``kill_coordinator``, SIGKILL the coordinator once every worker has finished its second round. ``api``:
     ``DiLoCoOptimizer`` (``"optimizer"``) or ``with_bagua`` and ``DiLoCoAlgorithm`` (``"algorithm"``)."""
-    port = _free_port()
-    coordinator = start_coordinator("127.0.0.1", port)
-    outs = [tmp_path / f"w{i}.pt" for i in range(WORKERS)]
-    logs = [tmp_path / f"w{i}.log" for i in range(WORKERS)]
-    procs = {i: _spawn(i, port, outs[i], extra.get(i, []), logs[i], api) for i in range(WORKERS)}
-    restarted: set[int] = set()
     continued: set[int] = set()
-    coordinator_killed = False
-    start = time.monotonic()
-    try:
-        while any(p.poll() is None for p in procs.values()):
-            if kill_coordinator and not coordinator_killed and all(
-                    "round 2 done" in log.read_text() for log in logs):
-                coordinator.kill()
-                coordinator_killed = True
-            for i, p in procs.items():
-                if p.poll() == -signal.SIGKILL and restart and i not in restarted:
-                    restarted.add(i)
-                    again = [a for k, a in enumerate(extra.get(i, [])) if "--die" not in extra[i][max(0, k - 1):k + 1]]
-                    procs[i] = _spawn(i, port, outs[i], again, logs[i], api)
-                elif stall_s and i not in continued and _stopped(p):
-                    time.sleep(stall_s)
-                    p.send_signal(signal.SIGCONT)
-                    continued.add(i)
-            if time.monotonic() - start > timeout_s:
-                raise AssertionError(f"the job did not end within {timeout_s} s: " + _tails(logs))
-            time.sleep(0.05)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
+    killed: list[bool] = []
+
+    def spawn(i: int, port: int, out: Path, log: Path, again: bool) -> subprocess.Popen:
+        args = extra.get(i, [])
+        if again:  # without its --die
+            args = [a for k, a in enumerate(args) if "--die" not in args[max(0, k - 1):k + 1]]
+        return _spawn(i, port, out, args, log, api, again)
+
+    def on_poll(job: Job) -> None:
+        if kill_coordinator and not killed and all("round 2 done" in log.read_text() for log in job.logs):
+            job.coordinator.kill()
+            killed.append(True)
+        for i, p in job.procs.items():
+            if stall_s and i not in continued and _stopped(p):
+                time.sleep(stall_s)
                 p.send_signal(signal.SIGCONT)
-                p.kill()
-        coordinator.kill()
-        coordinator.wait()
-    codes = {i: p.returncode for i, p in procs.items()}
-    if coordinator_killed or expect_failure:
-        return [{"log": logs[i].read_text()} for i in range(WORKERS)], codes
-    assert all(c == 0 for c in codes.values()), f"exit codes {codes}: " + _tails(logs)
-    return [dict(torch.load(o, weights_only=True), log=logs[i].read_text()) for i, o in enumerate(outs)], codes
+                continued.add(i)
 
-
-def _tails(logs: list[Path]) -> str:
-    return "\n".join(f"--- {p.name}\n" + "\n".join(p.read_text().splitlines()[-15:]) for p in logs if p.exists())
+    results, codes, _ = run_job(tmp_path, WORKERS, spawn, restart=restart, on_poll=on_poll, timeout_s=timeout_s,
+                                check=not (kill_coordinator or expect_failure))
+    return results, codes
 
 
 def _same_global(results: list[dict]) -> None:
@@ -148,7 +126,7 @@ def test_without_failures_equals_diloco_bit_for_bit(tmp_path, api):
 def test_killed_worker_rejoins_and_all_agree(tmp_path, die, api="optimizer"):
     # "serve": w0 serves the job's first weights to w1 and w2 and dies doing so; w1, w2 retry without it
     victim = 0 if die == "serve" else 2
-    extra = {i: PACED + (["--die", die] if i == victim else []) for i in range(WORKERS)}
+    extra = {i: _held(tmp_path) + (["--die", die] if i == victim else []) for i in range(WORKERS)}
     results, _ = _job(tmp_path, extra, restart=True, api=api)
     _same_global(results)
     if die != "serve":  # the restarted worker healed from a live peer; "serve" dies at the start, whose copies of
@@ -220,7 +198,7 @@ def test_nf2_round_is_the_average_of_the_plainly_decoded_pseudo_gradients(tmp_pa
 def test_with_bagua_compressed_round_retried_after_a_death_agrees(tmp_path):
     # with_bagua's DiLoCoAlgorithm, 4-bit pseudo-gradients with error feedback; w2 dies at the start of its second
     # average, the survivors run the round again from their saved pseudo-gradients and residuals; w2 restarts, heals
-    extra = {i: PACED + ["--compression", "uint4"] + (["--die", "exchange:2"] if i == 2 else [])
+    extra = {i: _held(tmp_path) + ["--compression", "uint4"] + (["--die", "exchange:2"] if i == 2 else [])
              for i in range(WORKERS)}
     results, _ = _job(tmp_path, extra, restart=True, api="algorithm")
     _same_global(results)

@@ -13,61 +13,30 @@ Every worker is a process of its own (a one-process Bagua job, ``with_bagua``), 
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from bagua.torch_api.fault.coordinator import start_coordinator
-from tests.fault.test_quorum import _free_port, _tails
+from tests.fault.jobs import python_module, run_job
 from tests.torch_api.models import batch, make_model
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _spawn(i: int, port: int, workers: int, steps: int, out: Path, extra: list[str], log: Path,
            restarted: bool = False) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tests.fault.ft_sync_worker", "--coordinator", f"127.0.0.1:{port}", "--index",
-           str(i), "--workers", str(workers), "--steps", str(steps), "--out", str(out), *extra]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1",
-               BAGUA_TEST_RESTARTED="1" if restarted else "0")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT)
+    return python_module("tests.fault.ft_sync_worker", [
+        "--coordinator", f"127.0.0.1:{port}", "--index", str(i), "--workers", str(workers), "--steps", str(steps),
+        "--out", str(out), *extra], log, BAGUA_TEST_RESTARTED="1" if restarted else "0")
 
 
 def _job(tmp_path: Path, workers: int, steps: int, extra: dict[int, list[str]], common: list[str],
          timeout_s: float = 240.0) -> list[dict]:
     """Run the job; restart (once, without its ``--die``) a worker that was SIGKILLed; return what each saved."""
-    port = _free_port()
-    coordinator = start_coordinator("127.0.0.1", port)
-    outs = [tmp_path / f"w{i}.pt" for i in range(workers)]
-    logs = [tmp_path / f"w{i}.log" for i in range(workers)]
-    procs = {i: _spawn(i, port, workers, steps, outs[i], common + extra.get(i, []), logs[i])
-             for i in range(workers)}
-    restarted: set[int] = set()
-    start = time.monotonic()
-    try:
-        while any(p.poll() is None for p in procs.values()):
-            for i, p in procs.items():
-                if p.poll() == -signal.SIGKILL and i not in restarted:
-                    restarted.add(i)
-                    procs[i] = _spawn(i, port, workers, steps, outs[i], common, logs[i], restarted=True)
-            if time.monotonic() - start > timeout_s:
-                raise AssertionError(f"the job did not end within {timeout_s} s: " + _tails(logs))
-            time.sleep(0.05)
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-        coordinator.kill()
-        coordinator.wait()
-    codes = {i: p.returncode for i, p in procs.items()}
-    assert all(c == 0 for c in codes.values()), f"exit codes {codes}: " + _tails(logs)
-    return [dict(torch.load(o, weights_only=True), log=logs[i].read_text()) for i, o in enumerate(outs)]
+    def spawn(i: int, port: int, out: Path, log: Path, again: bool) -> subprocess.Popen:
+        return _spawn(i, port, workers, steps, out, common + ([] if again else extra.get(i, [])), log, again)
+
+    return run_job(tmp_path, workers, spawn, timeout_s=timeout_s)[0]
 
 
 def _plain_grads(model: torch.nn.Module, workers: int, step: int) -> list[list[torch.Tensor]]:
