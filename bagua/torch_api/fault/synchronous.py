@@ -115,12 +115,22 @@ class SyncSteps:
         # stats
         self.wait_seconds: list[float] = []
         self.agree_seconds: list[float] = []
-        numel = sum(p.numel() for p in self.params)
-        settings = f"{name} params={len(self.params)} numel={numel} codec={codec}"
+        ft.register(self.heal_state_dict, self.load_heal_state_dict, *self._settings(name, codec, block_size))
+
+    #: what the settings' message asks of a worker whose settings differ
+    NEEDS = "the same model, algorithm and codec"
+
+    def _settings(self, name: str, codec: Optional[str], block_size: int) -> tuple[str, str]:
+        """What every worker must share (checked when it joins), and :attr:`NEEDS`, over :meth:`_whole`."""
+        whole = self._whole()
+        settings = f"{name} params={len(whole)} numel={sum(p.numel() for p in whole)} codec={codec}"
         if codec is not None:
             settings += f" block_size={block_size}"
-        ft.register(self.heal_state_dict, self.load_heal_state_dict, settings,
-                    needs="the same model, algorithm and codec")
+        return settings, self.NEEDS
+
+    def _whole(self) -> list[torch.Tensor]:
+        """The parameters as every worker sees them whole (the settings name these)."""
+        return self.params
 
     # -- the moments of a step -------------------------------------------------------------------------------------
 

@@ -80,11 +80,12 @@ class ShardSteps(SyncSteps):
         self._shards = [_local(p).detach() for p in self.sharded]  # what SyncSteps sees: views of the shards
         super().__init__(ft, self._shards, optimizer, codec=codec, block_size=block_size,
                          error_feedback=error_feedback, name=name)
-        settings = f"{name} params={len(self.sharded)} numel={sum(p.numel() for p in self.sharded)} codec={codec}"
-        if codec is not None:
-            settings += f" block_size={block_size}"
-        ft.register(self.heal_state_dict, self.load_heal_state_dict, settings,
-                    needs="the same model, algorithm and codec, sharded over as many ranks")
+
+    NEEDS = "the same model, algorithm and codec, sharded over as many ranks"
+
+    def _whole(self) -> list[torch.Tensor]:
+        """The whole (DTensor) parameters: the local shards of one replica's ranks differ in size."""
+        return self.sharded
 
     def _refresh(self) -> None:
         """Point the stand-ins at the parameters' local shards again (FSDP2 may have re-made them)."""
