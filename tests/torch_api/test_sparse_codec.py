@@ -137,3 +137,17 @@ def test_diloco_with_topk_takes_the_outer_step_on_the_plain_sparse_average() -> 
     expected = g - average  # outer SGD, lr 1, no momentum
     for _, _, params in results:
         torch.testing.assert_close(torch.cat([p.reshape(-1) for p in params]), expected, rtol=0, atol=1e-7)
+
+
+def test_topk_decode_overwrites_and_accumulates_only_the_kept_places() -> None:
+    from bagua.torch_api.codecs import block as bc
+
+    x = torch.randperm(700).float().add_(1.0).mul_(torch.randn(700).sign()) / 700
+    x[600] = float("inf")  # the third block (512..699) decodes to NaN
+    wire = bc.encode(x, "topk", 256)
+    ref = _reference(x[:512], 256)
+    out = bc.decode(wire, 700, "topk", 256, out=torch.randn(700))  # what out held before is overwritten
+    assert torch.equal(out[:512], ref) and torch.isnan(out[512:]).all()
+    base = torch.randn(700)
+    acc = bc.decode(wire, 700, "topk", 256, out=base.clone(), accumulate=True)
+    assert torch.equal(acc[:512], base[:512] + ref) and torch.isnan(acc[512:]).all()

@@ -112,11 +112,14 @@ def encode(x: torch.Tensor, block_size: int = 256, out: Optional[torch.Tensor] =
     for first, count, m in _runs(n, block_size):
         k = kept(m)
         rows = x[first * block_size : first * block_size + count * m].view(count, m)
-        _, idx = torch.topk(rows.abs().nan_to_num(nan=float("inf")), k, dim=1, sorted=False)
+        magnitude = rows.abs()
+        _, idx = torch.topk(magnitude.nan_to_num_(nan=float("inf")), k, dim=1, sorted=False)
+        del magnitude
         idx, _ = idx.sort(dim=1)  # positions in order: the same bytes whatever order topk returned them in
         vals = rows.gather(1, idx)
         scale = vals.abs().amax(dim=1, keepdim=True)
-        bad = ~torch.isfinite(rows).all(dim=1, keepdim=True)
+        # a NaN or an Inf ranks first (NaN as Inf), so it is kept and its block's scale is not finite
+        bad = ~torch.isfinite(scale)
         scale = torch.where(bad, torch.full_like(scale, float("nan")), scale)
         safe = torch.where((scale > 0) & ~bad, scale, torch.ones_like(scale))
         q = torch.round(vals / safe * _LEVELS).clamp_(-_LEVELS, _LEVELS).to(torch.int16) + 8
@@ -141,7 +144,8 @@ def encode(x: torch.Tensor, block_size: int = 256, out: Optional[torch.Tensor] =
 def decode(wire: torch.Tensor, numel: int, block_size: int = 256, out: Optional[torch.Tensor] = None,
            accumulate: bool = False) -> torch.Tensor:
     """Decode ``numel`` float32 values from ``wire`` into ``out``, or add them to ``out`` with ``accumulate``
-    (bit-identical to decoding into a temporary and adding it)."""
+    (bit-identical to decoding into a temporary and adding it, but that a -0.0 where nothing was kept stays -0.0):
+    only the kept places are touched, so decoding costs the kept values, not the block."""
     nbytes = wire_numel(numel, block_size)
     if wire.dtype != torch.uint8 or wire.numel() != nbytes:
         raise ValueError(f"wire must be a uint8 tensor of {nbytes} bytes for {numel} values, got {wire.dtype} of "
@@ -164,14 +168,12 @@ def decode(wire: torch.Tensor, numel: int, block_size: int = 256, out: Optional[
         packed = wire[code_at : code_at + count * half].view(count, half)
         q = torch.cat([packed & 0x0F, packed >> 4], dim=1)[:, :k].to(torch.float32) - 8
         vals = q * (scale / _LEVELS)
-        dense = torch.zeros(count, m, dtype=torch.float32, device=wire.device)
-        dense.scatter_(1, idx, vals)
-        dense[~torch.isfinite(scale).view(-1)] = float("nan")
         rows = out[first * block_size : first * block_size + count * m].view(count, m)
-        if accumulate:
-            rows.add_(dense)
-        else:
-            rows.copy_(dense)
+        if not accumulate:
+            rows.zero_()
+        # only the kept places: adding the others' zeros would change nothing (but a -0.0 to +0.0)
+        rows.scatter_add_(1, idx, vals)
+        rows[~torch.isfinite(scale).view(-1)] = float("nan")
         value_at += count * k
         code_at += count * half
     return out
