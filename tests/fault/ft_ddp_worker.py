@@ -10,6 +10,7 @@ tests/fault/ft_sync_worker.py) it saves them to ``--out``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -18,14 +19,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from tests.fault.ft_worker import _die, die_at_average, worker_parser
+from tests.fault.ft_worker import Hold, _die, add_hold, die_at_average, worker_parser
 from tests.torch_api.models import batch, make_model
 
 
 def train(index: int, coordinator: str, workers: int, steps: int, algorithm: str = "allreduce",
           step_s: float = 0.0, die_step: int = 0, hold: str = "", hold_step: int = 10,
           restarted: bool = False) -> dict:
-    """Run this worker's part of the job; return what it ends with."""
+    """Run this worker's part of the job; return what it ends with. ``hold``, ``hold_step``: the ``--hold`` and
+    ``--hold-step`` of tests/fault/ft_worker.py's :class:`~tests.fault.ft_worker.Hold`."""
     from bagua.torch_api.contrib.ddp_fault import FaultTolerantHookState, fault_tolerant_hook
     from bagua.torch_api.fault import FaultTolerance
 
@@ -37,15 +39,12 @@ def train(index: int, coordinator: str, workers: int, steps: int, algorithm: str
     state = (FaultTolerantHookState(ft, model, opt) if algorithm == "allreduce" else
              FaultTolerantHookState(ft, model, opt, codec="uint8", error_feedback=True))
     model.register_comm_hook(state, fault_tolerant_hook)
-    arrived = os.path.join(hold, "arrived") if hold else ""
-    if arrived and restarted:
-        open(arrived, "w").close()
+    held = Hold(argparse.Namespace(hold=hold, hold_step=hold_step), restarted=restarted)
     while state.steps.steps < steps:
         step = state.steps.steps + 1
         if step == die_step and not restarted:
             _die()
-        while arrived and step >= hold_step and not os.path.exists(arrived):
-            time.sleep(0.05)
+        held.before(step)
         x, y = batch(index, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -71,9 +70,8 @@ def train(index: int, coordinator: str, workers: int, steps: int, algorithm: str
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = worker_parser()
+    add_hold(ap)
     ap.add_argument("--algorithm", choices=["allreduce", "bytegrad"], default="allreduce")
-    ap.add_argument("--hold", default="")
-    ap.add_argument("--hold-step", type=int, default=10)
     args = ap.parse_args(argv)
     kind, _, at = args.die.partition(":")
     if kind == "exchange":

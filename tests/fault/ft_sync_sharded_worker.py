@@ -6,9 +6,10 @@ tests/fault/test_sync_sharded.py starts both ranks of each replica (a job of its
 ``GradientAllReduceAlgorithm(fault_tolerance=...)`` (``--algorithm bytegrad``: ``ByteGradAlgorithm(codec="uint8",
 error_feedback=True, ...)``), AdamW, on ``batch(2 * index + rank, step)`` at the job's step. ``--die exchange:N``
 SIGKILLs rank 1 at the start of its N-th collective over a round's members (``BAGUA_TEST_RESTARTED`` unset).
-``--hold DIR``: a restarted replica's first rank writes ``DIR/arrived`` before its first step, and the others wait
-for it before their step ``--hold-step`` (a restart may take longer than the job on a loaded machine). At the end
-each rank saves the full weights, its AdamW state shards, counters and statistics to ``--out``/``rank<r>.pt``.
+``--hold DIR`` (tests/fault/ft_worker.py's ``Hold``): a restarted replica's first rank writes ``DIR/arrived``
+before its first step, and the others wait for it before their step ``--hold-step`` (8 by default; a restart may
+take longer than the job on a loaded machine). At the end each rank saves the full weights, its AdamW state
+shards, counters and statistics to ``--out``/``rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from tests.fault.ft_sharded_worker import model
-from tests.fault.ft_worker import die_at_average, worker_parser
+from tests.fault.ft_worker import Hold, add_hold, die_at_average, worker_parser
 from tests.sharded.common import batch
 
 
@@ -31,8 +32,7 @@ def main() -> None:
     ap = worker_parser()
     ap.add_argument("--algorithm", choices=["allreduce", "bytegrad"], default="allreduce")
     ap.add_argument("--store", required=True, help="the replica's FileStore (its ranks' rendezvous)")
-    ap.add_argument("--hold", default="")
-    ap.add_argument("--hold-step", type=int, default=8)
+    add_hold(ap, step=8)
     args = ap.parse_args()
 
     import bagua.torch_api as bagua
@@ -66,13 +66,10 @@ def main() -> None:
                  ByteGradAlgorithm(codec="uint8", error_feedback=True, fault_tolerance=ft))
     net = net.with_bagua([opt], algorithm, device_mesh=mesh, replicate_dim="replicate")
     steps = net.bagua_sharded.sync.steps
-    arrived = os.path.join(args.hold, "arrived") if args.hold else ""
-    if arrived and restarted and rank == 0:
-        open(arrived, "w").close()
+    hold = Hold(args, writes=rank == 0, restarted=restarted)
     while steps.steps < args.steps:
         step = steps.steps + 1
-        while arrived and step >= args.hold_step and not os.path.exists(arrived):
-            time.sleep(0.05)
+        hold.before(step)
         x, y = batch(2 * args.index + rank, step)
         opt.zero_grad()
         torch.nn.functional.mse_loss(net(x), y).backward()

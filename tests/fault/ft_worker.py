@@ -17,6 +17,7 @@ import argparse
 import os
 import signal
 import time
+from typing import Optional
 
 import torch
 
@@ -41,22 +42,25 @@ def worker_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def add_hold(ap: argparse.ArgumentParser) -> None:
-    """The arguments of :class:`Hold`: ``--hold DIR`` and ``--hold-step S``."""
+def add_hold(ap: argparse.ArgumentParser, step: int = 10) -> None:
+    """The arguments of :class:`Hold`: ``--hold DIR`` and ``--hold-step S`` (``step`` by default)."""
     ap.add_argument("--hold", default="")
-    ap.add_argument("--hold-step", type=int, default=10)
+    ap.add_argument("--hold-step", type=int, default=step)
 
 
 class Hold:
     """``--hold DIR``: a restarted worker says it is back (``DIR/arrived``); the others wait for that before their
     step ``--hold-step``, so a slow restart still finds the job running. ``at_quorum``: it says so as it arrives at
-    its first quorum (a DiLoCo worker joins while it is built) rather than at once."""
+    its first quorum (a DiLoCo worker joins while it is built) rather than at once; ``writes=False``: this process
+    only waits (a rank other than its worker's first); ``restarted``: whether this process is the restarted one
+    (``BAGUA_TEST_RESTARTED=1`` when not given). ``args`` holds ``hold`` and ``hold_step`` (:func:`add_hold`)."""
 
-    def __init__(self, args: argparse.Namespace, at_quorum: bool = False) -> None:
-        self.restarted = os.environ.get("BAGUA_TEST_RESTARTED") == "1"
+    def __init__(self, args: argparse.Namespace, at_quorum: bool = False, writes: bool = True,
+                 restarted: Optional[bool] = None) -> None:
+        self.restarted = os.environ.get("BAGUA_TEST_RESTARTED") == "1" if restarted is None else restarted
         self.arrived = os.path.join(args.hold, "arrived") if args.hold else ""
         self.step = args.hold_step
-        if not (self.arrived and self.restarted):
+        if not (self.arrived and self.restarted and writes):
             return
         if not at_quorum:
             open(self.arrived, "w").close()
