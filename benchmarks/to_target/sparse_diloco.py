@@ -1,0 +1,79 @@
+"""DiLoCo with sparse ``topk`` pseudo-gradients beside today's picks: ``python -m benchmarks.to_target.sparse_diloco``.
+
+Issue 65, item 2 on the benchmark GPT: fewer bytes where bits alone no longer help. The warmed-up pick's settings
+with ``compression=topk:block_size=256`` (each block's 8 largest of 256 values, 4-bit codes, one-byte positions:
+0.5 bits per value, exchanged by all-gather with error feedback) against the 4-host pick (``nf2``) and the
+``uint4`` pick. Steps to val loss 2.40 come from ``python -m benchmarks.network --to-target --loopback`` runs
+(:data:`STEPS`, or ``--steps`` files, whose ``steps_to_target`` rows are read); step times from one block of
+:mod:`benchmarks.to_target.one_megabit` (unshaped start-up, timed steps at ``--rate``). The table is
+:func:`benchmarks.to_target.overlap_remedy.report`'s: time to target = median over the seeds of steps x mean
+step, the limit = steps x ``compute_s``, efficiency = limit / time, ``vs_pick`` against the block's 4-host pick.
+
+Example::
+
+    python -m benchmarks.to_target.sparse_diloco --report t4-10mbit.json \\
+        --steps sparse-4hosts-topk-s0.json sparse-4hosts-topk-s1.json --out docs/log/results/sparse-diloco.json
+
+Example:
+    >>> steps_from([{"system": "x", "hosts": 4, "phase": "convergence", "seed": 1, "steps_to_target": 240},
+    ...             {"system": "x", "hosts": 4, "phase": "convergence", "seed": 0, "steps_to_target": 200}])
+    {(4, 'x'): ([200, 240], 'seeds 0, 1')}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Optional, Sequence
+
+from benchmarks.to_target import overlap_remedy
+
+__all__ = ["W_TOPK", "STEPS", "steps_from", "main"]
+
+#: the candidate: the warmed-up pick's outer step with sparse topk pseudo-gradients
+W_TOPK = overlap_remedy.W.replace("compression=uint4", "compression=topk:block_size=256")
+
+#: (hosts, system) -> (steps to val loss 2.40 per seed, where they were measured): the picks' stored runs
+STEPS: dict[tuple[int, str], tuple[list[int], str]] = {
+    k: v for k, v in overlap_remedy.STEPS.items() if k[1] in ("ddp", overlap_remedy.W, overlap_remedy.W_NF2)}
+
+
+def steps_from(rows: list[dict]) -> dict[tuple[int, str], tuple[list[int], str]]:
+    """Steps to the target per (hosts, system) from ``benchmarks.network`` convergence rows, in seed order (a
+    missed target counts as ``None``)."""
+    found: dict[tuple[int, str], dict[int, Optional[int]]] = {}
+    for r in rows:
+        if r.get("phase") == "convergence":
+            found.setdefault((r["hosts"], r["system"]), {})[r["seed"]] = r.get("steps_to_target")
+    return {k: ([v[s] for s in sorted(v)], "seeds " + ", ".join(map(str, sorted(v)))) for k, v in found.items()}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
+    """Combine ``--report`` timed rows with :data:`STEPS` and the ``--steps`` runs; print and write the table."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.to_target.sparse_diloco",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--report", nargs="+", required=True, metavar="TIMES.json", help="one_megabit.py outputs")
+    p.add_argument("--steps", nargs="*", default=[], metavar="RUN.json", help="benchmarks.network --to-target runs")
+    p.add_argument("--out", required=True, help="JSON file: the table, the steps and every timed row")
+    args = p.parse_args(argv)
+    rows = [r for path in args.report for r in json.load(open(path))["results"]]
+    runs = [r for path in args.steps for r in json.load(open(path))["results"]]
+    steps = dict(STEPS)
+    steps.update(steps_from(runs))
+    table = overlap_remedy.report(rows, steps, {4: overlap_remedy.W_NF2, 8: overlap_remedy.W})
+    for t in table:
+        t["bytes_per_step"] = next(r.get("bytes_per_step") for r in rows if (r["hosts"], r["system"]) ==
+                                   (t["hosts"], t["system"]) and r.get("status") == "ok")
+    with open(args.out, "w") as f:
+        json.dump({"table": table, "steps": {f"{h} {s}": v for (h, s), v in steps.items()}, "results": rows}, f,
+                  indent=1)
+    for t in table:
+        print(f"{t['hosts']} {t['bandwidth']:7s} {t['system'][-50:]:50s} steps {t['steps']} step {t['mean_step_s']:6.2f} "
+              f"inner {t['inner_step_s']:5.2f} compute {t['compute_s']:5.2f} exposed {t['exposed_s']:5.2f} "
+              f"time {t['time_s']:7.0f} s eff {t['efficiency']:.2f} vs pick {t.get('vs_pick', float('nan')):.2f} "
+              f"pick-limit {t.get('vs_pick_limit', float('nan')):.2f} load {t['load']}")
+    return table
+
+
+if __name__ == "__main__":
+    main()
