@@ -62,6 +62,18 @@ def _plain_training(workers: int, steps: int, lr: float = 0.01) -> list[torch.Te
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _within_uint8_bound(got: list[torch.Tensor], workers: int) -> None:
+    """Check one ByteGrad step's averaged gradients ``got`` (``uint8``, error feedback, from ``make_model(0)``)
+    against the plain mean of ``workers`` workers' gradients: within the codec's bound, not equal to it."""
+    grads = _plain_grads(make_model(0), workers, 1)
+    flat = [torch.cat([g.reshape(-1) for g in w]) for w in grads]  # one block: the model has < 4096 values
+    mean = torch.stack(flat).mean(0)
+    bound = sum((f.max() - f.min()) / (2 * 255) for f in flat) / workers + 1e-5  # half a level per worker, averaged
+    flat_got = torch.cat([g.reshape(-1) for g in got])
+    assert (flat_got - mean).abs().max() <= bound
+    assert not torch.equal(flat_got, mean)  # it did travel in 8 bits
+
+
 def _identical(results: list[dict], steps: int) -> None:
     ref = results[0]
     for r in results[1:]:
@@ -85,13 +97,7 @@ def test_allreduce_without_failures_equals_plain_maths(tmp_path):
 def test_bytegrad_step_within_the_codec_bound(tmp_path):
     results = _job(tmp_path, 2, 1, {}, ["--algorithm", "bytegrad"])
     _identical(results, 1)
-    grads = _plain_grads(make_model(0), 2, 1)
-    flat = [torch.cat([g.reshape(-1) for g in w]) for w in grads]  # one block: the model has < 4096 values
-    mean = torch.stack(flat).mean(0)
-    bound = sum((f.max() - f.min()) / (2 * 255) for f in flat) / 2 + 1e-5  # half a level per worker, averaged
-    got = torch.cat([g.reshape(-1) for g in results[0]["grads"]])
-    assert (got - mean).abs().max() <= bound
-    assert not torch.equal(got, mean)  # it did travel in 8 bits
+    _within_uint8_bound(results[0]["grads"], 2)
 
 
 @pytest.mark.parametrize("algorithm", ["allreduce", "bytegrad"])
