@@ -7,12 +7,11 @@ Each replica is a job of 2 ranks of its own (tests/fault/ft_sync_sharded_worker.
 - without failures, 2 replicas x 2 shards end with the weights of plain HSDP maths written here on whole tensors
   (replica 0's initial weights, each step the mean of the 4 ranks' gradients, AdamW), within 1e-5 (FSDP2's
   reduce-scatter and the allreduce sum in another order than ``torch.stack(...).mean``);
-- with ``ByteGradAlgorithm(codec="uint8", error_feedback=True)``, rank 1 of one of 2 replicas SIGKILLed at the
-  start of a step's exchange (rank 0 may have finished its shard's): the test kills the replica's other rank and
-  restarts both, as a launcher does; the survivor never raises (it runs the step again alone, for every shard), the
-  restarted replica heals shard by shard (weights, step and AdamW's state) from the live one and joins at a step
-  boundary, and both end with bit-identical weights and moments. (Gradient allreduce's retry and heal are the same
-  steps on another exchange: tests/fault/test_sync_workers.py kills it on whole-model workers.)
+- with gradient allreduce, and with ``ByteGradAlgorithm(codec="uint8", error_feedback=True)``, rank 1 of one of 2
+  replicas SIGKILLed at the start of a step's exchange (rank 0 may have finished its shard's): the test kills the
+  replica's other rank and restarts both, as a launcher does; the survivor never raises (it runs the step again
+  alone, for every shard), the restarted replica heals shard by shard (weights, step and AdamW's state) from the
+  live one and joins at a step boundary, and both end with bit-identical weights and moments.
 
 Each job is about 12 s of training; on a loaded machine starting its 7 processes (torch imports) takes longer.
 """
@@ -26,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from bagua.torch_api.fault.coordinator import start_coordinator
@@ -135,10 +135,11 @@ def test_sharded_allreduce_without_failures_equals_plain_hsdp(tmp_path):
             assert r["stats"]["rounds"] == 1 + steps  # the job's start, then one round per step
 
 
-def test_sharded_replica_killed_mid_exchange_and_restarted(tmp_path):
+@pytest.mark.parametrize("algorithm", ["allreduce", "bytegrad"])
+def test_sharded_replica_killed_mid_exchange_and_restarted(tmp_path, algorithm):
     steps, victim = 12, 1
     results = _job(tmp_path, 2, steps, {victim: ["--die", "exchange:3"]},
-                   ["--algorithm", "bytegrad", "--step-s", "0.05", "--hold", str(tmp_path)])
+                   ["--algorithm", algorithm, "--step-s", "0.05", "--hold", str(tmp_path)])
     _identical(results, steps)
     survivor = results[1 - victim]
     assert all(not r["stats"]["restarted"] and r["stats"]["retries"] >= 1 for r in survivor), \
