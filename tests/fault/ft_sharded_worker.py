@@ -4,8 +4,10 @@ tests/fault/test_sharded_workers.py starts it as a job of its own under ``bagua.
 (which restarts both ranks when one dies). Each rank trains on the batches of sample stream ``2 * index + rank``;
 the worker's initial weights come from seed ``index`` (the job's first round gives every worker worker 0's).
 ``--die inner:S`` SIGKILLs rank 1 before its inner step S, ``--die exchange:N`` at the start of its N-th average
-(rank 0 may have finished its own shard's), only in the launcher's first attempt. At the end each rank saves the
-full weights, its shard's global weights, counters and statistics to ``--out``/``rank<r>.pt``.
+(rank 0 may have finished its own shard's), only in the launcher's first attempt. ``--hold DIR``: tests/fault/
+ft_worker.py's ``Hold`` (a restarted worker's first rank says it is back as it arrives at its first quorum; every
+rank of the others waits for that before its step ``--hold-step``). At the end each rank saves the full weights,
+its shard's global weights, counters and statistics to ``--out``/``rank<r>.pt``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from tests.fault.ft_worker import die_at_average, worker_parser
+from tests.fault.ft_worker import Hold, add_hold, die_at_average, worker_parser
 from tests.sharded.common import batch
 
 ROUNDS_LOG = "round {} done"
@@ -34,9 +36,7 @@ def main() -> None:
     ap = worker_parser()
     ap.add_argument("--outer", default="0.7,0.9", help="LR,MOMENTUM of the outer Nesterov SGD")
     ap.add_argument("--inner-state", action="store_true")
-    ap.add_argument("--await-all", action="store_true",
-                    help="before the last round, wait (up to 90 s) until every worker is live again, so a restart "
-                         "that is slow on a loaded machine still joins before the survivors end the job")
+    add_hold(ap)
     args = ap.parse_args()
 
     import bagua.torch_api as bagua
@@ -48,7 +48,8 @@ def main() -> None:
     bagua.init_process_group()
     rank = dist.get_rank()
     kind, _, at = args.die.partition(":")
-    dies = rank == 1 and kind and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    dies = rank == 1 and kind and not restarted
     if dies and kind == "exchange":
         die_at_average(int(at))
     mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
@@ -62,19 +63,14 @@ def main() -> None:
     ft = FaultTolerance(args.coordinator, worker=f"w{args.index}", workers=args.workers, deadline_s=None,
                         exchange_timeout_s=5.0, heartbeat_s=0.2, stale_s=1.5, timeout_s=60.0,
                         inner_state=args.inner_state)
+    hold = Hold(args, at_quorum=True, writes=rank == 0, restarted=restarted)
     net = net.with_bagua([inner], DiLoCoAlgorithm(sync_every=args.sync_every, outer_lr=lr, outer_momentum=momentum,
                                                   fault_tolerance=ft),
                          device_mesh=mesh, replicate_dim="replicate")
     d = net.bagua_sharded.driver
-    awaited = False
     while d.steps < args.steps:
         step = d.steps + 1
-        if args.await_all and not awaited and d.steps == args.steps - args.sync_every:
-            awaited = True
-            deadline = time.monotonic() + 90.0
-            while rank == 0 and len(ft.quorums.live()) < args.workers and time.monotonic() < deadline:
-                time.sleep(0.2)
-            dist.barrier()  # the worker's other rank waits with it
+        hold.before(step)
         if dies and kind == "inner" and step == int(at):
             os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(2 * args.index + rank, step)

@@ -122,11 +122,11 @@ def test_sharded_workers_without_failures_equal_plain_diloco(tmp_path):
 @pytest.mark.parametrize("die", ["inner:7", "exchange:2"])
 def test_killed_rank_restarts_its_worker_which_heals_shard_by_shard(tmp_path, die):
     steps, victim = 48, 2
-    paced = ["--step-s", "0.25", "--inner-state"]
-    # the survivors wait before their last round until the restarted worker is live: a restart can take longer
-    # than the survivors' remaining steps on a loaded machine, and a worker that finds the job ended raises
-    results = _job(tmp_path, 3, steps, {i: paced + (["--die", die] if i == victim else ["--await-all"])
-                                        for i in range(3)})
+    # the survivors wait before the second-last round until the restarted worker arrives at its first quorum: a
+    # restart can take longer than the survivors' remaining steps on a loaded machine, and one that finds the job
+    # ended raises
+    held = ["--step-s", "0.02", "--inner-state", "--hold", str(tmp_path), "--hold-step", str(steps - 2 * H + 1)]
+    results = _job(tmp_path, 3, steps, {i: held + (["--die", die] if i == victim else []) for i in range(3)})
     for worker in results:
         for r in worker:
             assert r["steps"] == steps and r["syncs"] == results[0][0]["syncs"]
