@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -201,34 +199,22 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        worker(args)
+    if gpt_runs.worker_or_report(args, worker, print_table):
         return 0
-    if args.report:
-        print_table([r for f in args.report.split(",") for r in json.loads(Path(f).read_text())["rows"]])
-        return 0
-    from benchmarks.common import netns
+    runs = gpt_runs.parse_runs(args.runs)
 
-    netns.install_signal_handlers()
-    runs = [(mode, int(n or 0)) for mode, _, n in (r.partition(":") for r in args.runs.split(","))]
-    rows: list[dict[str, Any]] = []
+    def run_one(cluster: Any, seed: int, run: tuple[str, int], workdir: Path) -> dict[str, Any]:
+        mode, n = run
+        if mode == "restart":
+            return run_restart(args, cluster, seed, n, workdir)
+        inner = None if mode == "ft" else mode == "ft+inner"  # ft+inner / ft+fresh: set explicitly
+        return run_ft(args, cluster, seed, n, workdir, inner)
+
+    def describe(run: tuple[str, int], r: dict[str, Any]) -> str:
+        return f"{run[0]}:{run[1]} seed {r['seed']}: steps {r['steps_to_target']}, time {r['time_to_target_s']}"
+
     print(f"{WORKERS} workers, GPT ({args.model}) to val loss {args.target}, each link {args.rate}; DiLoCo {DILOCO}")
-    with tempfile.TemporaryDirectory(prefix="bagua-fault-gpt-") as tmp, netns.NetnsCluster(WORKERS + 1) as cluster:
-        cluster.shape(args.rate)
-        for seed in (int(s) for s in args.seeds.split(",")):
-            for mode, n in runs:
-                t0 = time.strftime("%H:%M:%S")
-                if mode == "restart":
-                    row = run_restart(args, cluster, seed, n, Path(tmp))
-                else:
-                    inner = None if mode == "ft" else mode == "ft+inner"  # ft+inner / ft+fresh: set explicitly
-                    row = run_ft(args, cluster, seed, n, Path(tmp), inner)
-                rows.append(row | {"started": t0, "load": os.getloadavg()[0]})
-                print(f"[{t0}] {mode}:{n} seed {seed}: steps {rows[-1]['steps_to_target']}, "
-                      f"time {rows[-1]['time_to_target_s']}", flush=True)
-                if args.json:
-                    Path(args.json).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))
-    print_table(rows)
+    print_table(gpt_runs.run_campaign(args, runs, run_one, describe, "bagua-fault-gpt-"))
     return 0
 
 

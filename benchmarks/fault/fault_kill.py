@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from benchmarks.fault.kills import WORKERS, Life, RestartKills, fail, kill_by_cmdline, kill_due, rejoin_times, say
+from benchmarks.fault.kills import WORKERS, Life, RestartKills, fail, rejoin_times, say, supervise, supervise_agent
 
 _DIM, _HIDDEN = 32, 256
 
@@ -171,31 +171,17 @@ def run_job(args: argparse.Namespace, mode: str, workdir: Path, kill: bool = Fal
                            world | {"RANK": str(i)} if mode == "plain" else None))
         return lives[-1]
 
+    def done() -> bool:
+        """Every worker exited; or the ones left are restarted workers that never joined, 5 s after the others
+        ended: they never will, no round is left."""
+        running = [life for life in current.values() if life.end_t is None]
+        ended = [life.end_t for life in current.values() if life.end_t is not None]
+        return not running or bool(ended) and all(not life.joined for life in running) and time.time() > max(ended) + 5
+
     start = time.time()
     current = {i: spawn(i) for i in range(WORKERS)}
-    plan, kills = args.kills if kill else [], []
-    try:
-        while True:
-            for life in current.values():
-                life.read()
-            plan = kill_due(current, kills, plan, spawn)
-            codes = {i: life.poll() for i, life in current.items()}
-            if any(c not in (None, 0) for c in codes.values()):
-                raise fail(f"{mode}: a worker failed, exit codes {codes}", current.values())
-            running = [life for life in current.values() if life.end_t is None]
-            ended = [life.end_t for life in current.values() if life.end_t is not None]
-            # a restarted worker that has not joined when the others are done never will: no round is left
-            if not running or ended and all(not life.joined for life in running) and time.time() > max(ended) + 5:
-                break
-            if time.time() - start > args.timeout:
-                raise fail(f"{mode}: the job did not finish within {args.timeout:.0f} s (--timeout)", current.values())
-            time.sleep(0.05)
-    finally:
-        for life in lives:
-            life.kill()
-        if coordinator is not None:
-            coordinator.kill()
-            coordinator.wait()
+    kills: list[dict[str, Any]] = []
+    supervise(current, lives, spawn, args.kills if kill else [], kills, done, mode, start + args.timeout, coordinator)
     for life in lives:
         life.read()
     wall = max(life.end_t for life in current.values() if life.proc.returncode == 0) - start
@@ -224,16 +210,7 @@ def run_restart(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
                    *args.shared],
                   workdir / "restart.log", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     start = time.time()
-    try:
-        while agent.poll() is None:
-            schedule.see(agent.read())
-            schedule.kill_due()
-            if time.time() - start > args.timeout:
-                raise fail(f"restart: the job did not finish within {args.timeout:.0f} s (--timeout)", [agent])
-            time.sleep(0.05)
-    finally:
-        agent.kill()
-        kill_by_cmdline(str(workdir / "ckpt"))  # the ranks run in sessions of their own: end stragglers
+    supervise_agent(agent, schedule, lambda: False, "restart", start + args.timeout, str(workdir / "ckpt"))
     agent.read()
     if agent.proc.returncode != 0:
         raise fail(f"restart: the agent exited with {agent.proc.returncode}", [agent])

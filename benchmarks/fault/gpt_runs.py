@@ -11,6 +11,9 @@ validation loss reaches ``args.target``; their workers print :func:`benchmarks.f
   each rank entering its host's namespace; with ``kill_every``, a rank is SIGKILLed on the same schedule and the
   agent restarts all ranks, which resume from their checkpoint.
 
+:func:`run_campaign` runs a benchmark's matrix (seeds x runs) in one emulated cluster, a row a run, the JSON
+rewritten after each; :func:`saved_rows` reads such files back for ``--report``.
+
 Time to target (:func:`outcome`): from the launch to the evaluation that reached the target, less rank 0's
 evaluation time; start-up is in it, once for a run without failures, again at every restart.
 """
@@ -18,15 +21,19 @@ evaluation time; start-up is in it, once for a run without failures, again at ev
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
-from benchmarks.fault.kills import WORKERS, Life, RestartKills, fail, kill_by_cmdline, kill_due, rejoin_times
+from benchmarks.fault.kills import WORKERS, Life, RestartKills, fail, rejoin_times, supervise, supervise_agent
 
-__all__ = ["evals", "outcome", "start_coordinator", "run_ft", "run_restart"]
+__all__ = ["evals", "outcome", "start_coordinator", "run_ft", "run_restart", "parse_runs", "worker_or_report",
+           "saved_rows", "run_campaign"]
 
 
 def evals(lines: list[dict[str, Any]], rank: int) -> list[dict[str, Any]]:
@@ -81,27 +88,13 @@ def run_ft(args: argparse.Namespace, cluster: Any, seed: int, kill_every: int, w
                           {"GLOO_SOCKET_IFNAME": host.iface}))
         return lives[-1]
 
+    def done() -> bool:  # rank 0 reached the target, or ran out of steps
+        return outcome(evals(current[0].lines, 0), start, args.target)["reached"] or current[0].poll() == 0
+
     start = time.time()
     current = {i: spawn(i) for i in range(WORKERS)}
-    plan, kills = _plan(args, kill_every), []  # type: list[int], list[dict[str, Any]]
-    try:
-        while True:
-            for life in current.values():
-                life.read()
-            if outcome(evals(current[0].lines, 0), start, args.target)["reached"] or current[0].poll() == 0:
-                break
-            plan = kill_due(current, kills, plan, spawn)
-            codes = {i: life.poll() for i, life in current.items()}
-            if any(c not in (None, 0) for c in codes.values()):
-                raise fail(f"{mode}: a worker failed, exit codes {codes}", current.values())
-            if time.time() - start > args.timeout:
-                raise fail(f"{mode}: no result within {args.timeout:.0f} s (--timeout)", current.values())
-            time.sleep(0.05)
-    finally:
-        for life in lives:
-            life.kill()
-        coordinator.kill()
-        coordinator.wait()
+    kills: list[dict[str, Any]] = []
+    supervise(current, lives, spawn, _plan(args, kill_every), kills, done, mode, start + args.timeout, coordinator)
     rejoin_times(kills)
     useful = sum(life.last_sync - int(life.joined["step"]) for life in lives if life.joined)
     evaluations = evals(current[0].lines, 0)
@@ -131,20 +124,68 @@ def run_restart(args: argparse.Namespace, cluster: Any, seed: int, kill_every: i
                   str(ckpt), *args.shared, *extra],
                  workdir / f"{mode}{kill_every}-s{seed}.log", {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
     start = time.time()
-    try:
-        while agent.poll() is None:
-            schedule.see(agent.read())
-            if outcome(evals(agent.lines, 0), start, args.target)["reached"]:
-                break
-            schedule.kill_due()
-            if time.time() - start > args.timeout:
-                raise fail(f"{mode}: no result within {args.timeout:.0f} s (--timeout)", [agent])
-            time.sleep(0.05)
-    finally:
-        agent.kill()
-        kill_by_cmdline(str(ckpt))
+    supervise_agent(agent, schedule, lambda: outcome(evals(agent.lines, 0), start, args.target)["reached"], mode,
+                    start + args.timeout, str(ckpt))
     agent.read()
     out = outcome(evals(agent.lines, 0), start, args.target)
     if not out["curve"]:
         raise fail(f"{mode}: rank 0 never evaluated (agent exit {agent.proc.returncode})", [agent])
     return {"mode": mode, "kill_every": kill_every, "seed": seed, "kills": schedule.kills, **out}
+
+
+def parse_runs(runs: str) -> list[tuple[str, int]]:
+    """``"ft,ft:100"`` -> ``[("ft", 0), ("ft", 100)]``: each run's mode and its kill interval (0: no kill)."""
+    return [(mode, int(n or 0)) for mode, _, n in (r.partition(":") for r in runs.split(","))]
+
+
+def worker_or_report(args: argparse.Namespace, worker: Callable[[argparse.Namespace], None],
+                     print_table: Callable[[list[dict[str, Any]]], None]) -> bool:
+    """Do what a benchmark's command line asks that is not a campaign: run ``worker(args)`` (``--worker``, how the
+    supervisor starts each worker) or print the table of ``--report``'s saved rows; False if neither was asked."""
+    if args.worker:
+        worker(args)
+    elif args.report:
+        print_table(saved_rows(args.report))
+    return bool(args.worker or args.report)
+
+
+def saved_rows(report: str) -> list[dict[str, Any]]:
+    """The rows of the comma-separated JSON files ``report`` that :func:`run_campaign` wrote, in order."""
+    return [r for f in report.split(",") for r in json.loads(Path(f).read_text())["rows"]]
+
+
+def run_campaign(args: argparse.Namespace, runs: Sequence[Any], run_one: Callable[..., dict[str, Any]],
+                 describe: Callable[[Any, dict[str, Any]], str], tmp_prefix: str, cluster_prefix: Optional[str] = None,
+                 load: str = "end") -> list[dict[str, Any]]:
+    """Run every seed of ``args.seeds`` (comma-separated) x every one of ``runs`` at ``WORKERS + 1`` emulated hosts,
+    each link shaped to ``args.rate``; return the rows.
+
+    ``run_one(cluster, seed, run, workdir)`` runs one and returns its row, to which ``started`` (the wall clock) and
+    ``load`` (the 1-minute load average at its end, or with ``load="mean"`` the mean of its start's and its end's)
+    are added; a line ``[started] describe(run, row)`` is printed after each, and ``args.json`` (if set) rewritten with
+    ``{"settings": vars(args), "rows": [...]}``. ``cluster_prefix``: the namespaces' (default the cluster's own).
+
+    Example::
+
+        rows = run_campaign(args, [("ft", 0), ("ft", 100)], lambda c, s, r, w: run_ft(args, c, s, r[1], w, MODULE),
+                            lambda run, row: f"{run} seed {row['seed']}: {row['time_to_target_s']}", "bagua-x-")
+    """
+    from benchmarks.common import netns
+
+    if load not in ("end", "mean"):
+        raise ValueError(f"load={load!r}: use 'end' or 'mean'")
+    netns.install_signal_handlers()
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix=tmp_prefix) as tmp, \
+            netns.NetnsCluster(WORKERS + 1, prefix=cluster_prefix) as cluster:
+        cluster.shape(args.rate)
+        for seed in (int(s) for s in args.seeds.split(",")):
+            for run in runs:
+                started, before = time.strftime("%H:%M:%S"), os.getloadavg()[0]
+                row = run_one(cluster, seed, run, Path(tmp))
+                after = os.getloadavg()[0]
+                rows.append(row | {"started": started, "load": (before + after) / 2 if load == "mean" else after})
+                print(f"[{started}] {describe(run, rows[-1])}", flush=True)
+                if args.json:
+                    Path(args.json).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))
+    return rows

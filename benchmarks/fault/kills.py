@@ -6,7 +6,8 @@ The restart baseline: :class:`RestartKills` kills rank 1, 2, 3, ... of successiv
 and records when all ranks stepped again; :func:`kill_by_cmdline` ends the ranks left behind.
 
 Both benchmarks' workers print their progress with :func:`say`; the supervisor runs each worker (or the restart
-agent) as a :class:`Life`, which reads those lines back.
+agent) as a :class:`Life`, which reads those lines back, and watches them with :func:`supervise` (fault tolerance)
+or :func:`supervise_agent` (the restart baseline).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-__all__ = ["WORKERS", "kill_due", "rejoin_times", "RestartKills", "kill_by_cmdline", "say", "parse_line", "Life",
-           "fail"]
+__all__ = ["WORKERS", "kill_due", "supervise", "rejoin_times", "RestartKills", "supervise_agent", "kill_by_cmdline",
+           "say", "parse_line", "Life", "fail"]
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -43,6 +44,34 @@ def kill_due(current: dict[int, Any], kills: list[dict[str, Any]], plan: list[in
     current[victim] = spawn(victim)
     kills[-1]["life"] = current[victim]
     return plan[1:]
+
+
+def supervise(current: dict[int, Any], lives: list[Any], spawn: Callable[[int], Any], plan: list[int],
+              kills: list[dict[str, Any]], done: Callable[[], bool], mode: str, deadline: float,
+              coordinator: Any = None) -> None:
+    """Watch the fault-tolerant workers ``current`` (index -> :class:`Life`) until ``done()``, reading their lines:
+    SIGKILL and restart one on ``plan`` (:func:`kill_due`, recorded in ``kills``); raise :func:`fail` if a worker
+    exits with an error or the wall clock passes ``deadline``. Then, or on any error, kill every one of ``lives``
+    (all the processes ``spawn`` started) and the ``coordinator``."""
+    try:
+        while True:
+            for life in current.values():
+                life.read()
+            if done():
+                break
+            plan = kill_due(current, kills, plan, spawn)
+            codes = {i: life.poll() for i, life in current.items()}
+            if any(c not in (None, 0) for c in codes.values()):
+                raise fail(f"{mode}: a worker failed, exit codes {codes}", current.values())
+            if time.time() > deadline:
+                raise fail(f"{mode}: the run did not finish within its --timeout", current.values())
+            time.sleep(0.05)
+    finally:
+        for life in lives:
+            life.kill()
+        if coordinator is not None:
+            coordinator.kill()
+            coordinator.wait()
 
 
 def rejoin_times(kills: list[dict[str, Any]]) -> None:
@@ -82,6 +111,25 @@ class RestartKills:
             os.kill(self.pids[(a, victim)], signal.SIGKILL)
             self.kills.append({"victim": f"rank{victim}", "step": self.attempt_step[a], "t": time.time()})
             self.plan = self.plan[1:]
+
+
+def supervise_agent(agent: Life, schedule: RestartKills, done: Callable[[], bool], mode: str, deadline: float,
+                    marker: str) -> None:
+    """Watch the elastic agent's ranks until the agent exits or ``done()``, killing on ``schedule``; raise
+    :func:`fail` past ``deadline`` (wall clock). Then, or on any error, kill the agent and every process whose
+    command line holds ``marker`` (the ranks run in sessions of their own)."""
+    try:
+        while agent.poll() is None:
+            schedule.see(agent.read())
+            if done():
+                break
+            schedule.kill_due()
+            if time.time() > deadline:
+                raise fail(f"{mode}: the run did not finish within its --timeout", [agent])
+            time.sleep(0.05)
+    finally:
+        agent.kill()
+        kill_by_cmdline(marker)
 
 
 def kill_by_cmdline(marker: str) -> None:

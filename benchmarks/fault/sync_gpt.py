@@ -27,11 +27,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -204,40 +202,28 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
-    if args.worker:
-        worker(args)
+    if gpt_runs.worker_or_report(args, worker, print_table):
         return 0
-    if args.report:
-        print_table([r for f in args.report.split(",") for r in json.loads(Path(f).read_text())["rows"]])
-        return 0
-    from benchmarks.common import netns
+    runs = [(a, mode, n) for a in args.algorithms.split(",") for mode, n in gpt_runs.parse_runs(args.runs)]
 
-    netns.install_signal_handlers()
-    runs = [(mode, int(n or 0)) for mode, _, n in (r.partition(":") for r in args.runs.split(","))]
-    rows: list[dict[str, Any]] = []
+    def run_one(cluster: Any, seed: int, run: tuple[str, str, int], workdir: Path) -> dict[str, Any]:
+        algorithm, mode, n = run
+        extra = ["--algorithm", algorithm]
+        if mode == "ft":
+            row = gpt_runs.run_ft(args, cluster, seed, n, workdir, _MODULE, extra, f"ft-{algorithm}")
+        else:
+            extra += ["--checkpoint-every", "0"] if mode == "plain" else []
+            row = gpt_runs.run_restart(args, cluster, seed, n, workdir, _MODULE, extra, f"{mode}-{algorithm}")
+        return row | {"mode": mode, "algorithm": algorithm}
+
+    def describe(run: tuple[str, str, int], r: dict[str, Any]) -> str:
+        return (f"{r['algorithm']} {_name(r)} seed {r['seed']}: steps {r['steps_to_target']}, "
+                f"time {r['time_to_target_s']} (load {r['load']:.1f})")
+
     print(f"{WORKERS} workers, GPT {args.n_layer} x {args.n_embd} to val loss {args.target}, each link {args.rate}; "
           f"{', '.join(ALGORITHMS[a] for a in args.algorithms.split(','))}")
-    with tempfile.TemporaryDirectory(prefix="bagua-sync-gpt-") as tmp, \
-            netns.NetnsCluster(WORKERS + 1, prefix=f"sgk{os.getpid() % 10000}") as cluster:
-        cluster.shape(args.rate)
-        for seed in (int(s) for s in args.seeds.split(",")):
-            for algorithm in args.algorithms.split(","):
-                for mode, n in runs:
-                    t0, load = time.strftime("%H:%M:%S"), os.getloadavg()[0]
-                    extra = ["--algorithm", algorithm]
-                    if mode == "ft":
-                        row = gpt_runs.run_ft(args, cluster, seed, n, Path(tmp), _MODULE, extra, f"ft-{algorithm}")
-                    else:
-                        extra += ["--checkpoint-every", "0"] if mode == "plain" else []
-                        row = gpt_runs.run_restart(args, cluster, seed, n, Path(tmp), _MODULE, extra,
-                                                   f"{mode}-{algorithm}")
-                    rows.append(row | {"mode": mode, "algorithm": algorithm, "started": t0,
-                                       "load": (load + os.getloadavg()[0]) / 2})
-                    print(f"[{t0}] {algorithm} {_name(rows[-1])} seed {seed}: steps {rows[-1]['steps_to_target']}, "
-                          f"time {rows[-1]['time_to_target_s']} (load {rows[-1]['load']:.1f})", flush=True)
-                    if args.json:
-                        Path(args.json).write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))
-    print_table(rows)
+    print_table(gpt_runs.run_campaign(args, runs, run_one, describe, "bagua-sync-gpt-", f"sgk{os.getpid() % 10000}",
+                                      load="mean"))
     return 0
 
 
