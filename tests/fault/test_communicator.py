@@ -118,5 +118,6 @@ def test_a_joiner_waits_while_another_worker_has_not_finished(coordinator):
     with pytest.raises(TimeoutError) as error:
         late.start_round(0, 0)
     assert not isinstance(error.value, JobEnded)
+    assert "to join the job at quorum" in str(error.value) and "never closes a round" in str(error.value)
     late.close()
     alive.close()

@@ -270,6 +270,12 @@ class Quorums(Verdicts):
                     self._raise_if_ended(key)
                 _pause(start)
             if time.monotonic() - start > self.timeout_s:
+                if lead is None:
+                    raise TimeoutError(
+                        f"worker {self.worker!r} waited {self.timeout_s:g} s to join the job at quorum {key}, but no "
+                        "member arrived to close it (a joining worker alone never closes a round): the other "
+                        "workers stopped, or finished without closing their FaultTolerance (close() tells a "
+                        "joiner the job ended). Restart them, or start a new job from a checkpoint")
                 arrived = [m.id for m in self._arrived(key)]
                 need = self.workers if first else self.min_quorum
                 raise TimeoutError(
