@@ -67,7 +67,7 @@ class FaultTolerantStepsImpl(AlgorithmImpl):
                                  f"state; this model has {len(bagua_ddp.bagua_optimizers)}: wrap it with one")
             self.steps = SyncSteps(self.ft, params, bagua_ddp.bagua_optimizers[0], codec=self.codec,
                                    block_size=self.block_size, error_feedback=self.error_feedback,
-                                   name=self.owner)
+                                   name=self.owner, buffers=list(bagua_ddp.module.buffers()))
         return []  # no bucket: the gradients travel in the post-backward hook, over the step's live workers
 
     def init_operations(self, bagua_ddp: Any, bucket: Any) -> None:

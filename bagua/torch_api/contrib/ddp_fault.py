@@ -113,7 +113,8 @@ class FaultTolerantHookState:
         if not params:
             raise ValueError("FaultTolerantHookState: the model has no trainable parameter")
         self.steps = SyncSteps(ft, params, optimizer, codec=codec, block_size=block_size,
-                               error_feedback=error_feedback, name="FaultTolerantHookState")
+                               error_feedback=error_feedback, name="FaultTolerantHookState",
+                               buffers=list(ddp.module.buffers()))
         self._handle = ddp.register_forward_pre_hook(self._on_forward_pre)
         self._waiting: list[tuple[dist.GradBucket, torch.futures.Future]] = []  # this backward's buckets
         self.iter = 0

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -89,6 +89,8 @@ class SyncSteps:
         error_feedback: with a codec, add this worker's quantization error of the earlier steps to its gradient
             (kept only from rounds that commit; a joiner's starts at zero).
         name: the algorithm, in the settings every member must share.
+        buffers: the model's buffers (BatchNorm's running statistics), in the same order on every worker: a joiner
+            takes them with the weights; they are not averaged (each worker keeps its own, as ``with_bagua``).
 
     Attributes: ``steps`` (the job's committed steps, also after a heal), ``wait_seconds`` (per step, how long the
     training thread waited for the agreement after the backward: the part of the quorum's cost not hidden),
@@ -100,9 +102,10 @@ class SyncSteps:
 
     def __init__(self, ft: FaultTolerance, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                  codec: Optional[str] = None, block_size: int = 4096, error_feedback: bool = False,
-                 name: str = "gradient_allreduce") -> None:
+                 name: str = "gradient_allreduce", buffers: Sequence[torch.Tensor] = ()) -> None:
         # user settings
         self.ft, self.params, self.optimizer = ft, list(params), optimizer
+        self.buffers = list(buffers)  # healed with the weights (BatchNorm's running statistics), never averaged
         self.codec, self.block_size, self.error_feedback = codec, block_size, error_feedback
         # internal state
         self.steps = 0
@@ -187,21 +190,26 @@ class SyncSteps:
             _log.info("worker %r joined the job at step %d from a live peer", self.ft.worker, self.steps)
 
     def heal_state_dict(self) -> dict[str, torch.Tensor]:
-        """What a joiner takes from this worker: the step counter, the weights and the optimizer's whole state."""
+        """What a joiner takes from this worker: the step counter, the weights, the buffers and the optimizer's whole
+        state."""
         state = {"steps": torch.tensor(self.steps)}
         state.update({f"param.{i}": p.detach() for i, p in enumerate(self.params)})
+        state.update({f"buffer.{i}": b.detach() for i, b in enumerate(self.buffers)})
         state.update(flatten_optimizer_state(self.optimizer.state_dict(), prefix=OPTIMIZER_PREFIX))
         return state
 
     @torch.no_grad()
     def load_heal_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Take a peer's :meth:`heal_state_dict`; this worker's own error-feedback residual starts at zero."""
-        for i, p in enumerate(self.params):
-            src = state[f"param.{i}"]
-            if src.shape != p.shape:
-                raise ValueError(f"a peer's parameter {i} has shape {tuple(src.shape)}, this worker's "
-                                 f"{tuple(p.shape)}: every worker must build the same model")
-            p.copy_(src)
+        """Take a peer's :meth:`heal_state_dict`; this worker's own error-feedback residual starts at zero. A peer
+        whose tensors differ in shape is refused before anything is written."""
+        pairs = [(f"parameter {i}", p, state[f"param.{i}"]) for i, p in enumerate(self.params)]
+        pairs += [(f"buffer {i}", b, state[f"buffer.{i}"]) for i, b in enumerate(self.buffers)]
+        for what, mine, src in pairs:
+            if src.shape != mine.shape:
+                raise ValueError(f"a peer's {what} has shape {tuple(src.shape)}, this worker's "
+                                 f"{tuple(mine.shape)}: every worker must build the same model")
+        for _, mine, src in pairs:
+            mine.copy_(src)
         self.optimizer.load_state_dict(
             unflatten_optimizer_state({k: v for k, v in state.items() if k.startswith(OPTIMIZER_PREFIX)},
                                       prefix=OPTIMIZER_PREFIX))

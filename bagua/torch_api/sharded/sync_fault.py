@@ -74,12 +74,12 @@ class ShardSteps(SyncSteps):
 
     def __init__(self, ft: FaultTolerance, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer,
                  codec: Optional[str] = None, block_size: int = 4096, error_feedback: bool = False,
-                 name: str = "gradient_allreduce") -> None:
+                 name: str = "gradient_allreduce", buffers: Sequence[torch.Tensor] = ()) -> None:
         #: the (DTensor) parameters, whose local shards the steps read and write
         self.sharded = list(params)
         self._shards = [_local(p).detach() for p in self.sharded]  # what SyncSteps sees: views of the shards
         super().__init__(ft, self._shards, optimizer, codec=codec, block_size=block_size,
-                         error_feedback=error_feedback, name=name)
+                         error_feedback=error_feedback, name=name, buffers=[_local(b) for b in buffers])
 
     NEEDS = "the same model, algorithm and codec, sharded over as many ranks"
 
@@ -169,7 +169,7 @@ class ShardedSyncSteps:
         self.steps = ShardSteps(ft, params, optimizers[0], codec=codec,
                                 block_size=getattr(algorithm, "block_size", 4096),
                                 error_feedback=bool(getattr(algorithm, "error_feedback", False)) and codec is not None,
-                                name=f"{type(algorithm).__name__} (sharded)")
+                                name=f"{type(algorithm).__name__} (sharded)", buffers=list(module.buffers()))
         self._queued = False  # this backward's end-of-backward exchange is queued
         # prepended: before FSDP2 all-gathers the weights, which a joiner's heal writes
         self.handles: list[Any] = [module.register_forward_pre_hook(lambda *_: self._before_forward(), prepend=True)]
