@@ -7,7 +7,9 @@ with ``compression=topk:block_size=256`` (each block's 8 largest of 256 values, 
 (:data:`STEPS`, or ``--steps`` files, whose ``steps_to_target`` rows are read); step times from one block of
 :mod:`benchmarks.to_target.one_megabit` (unshaped start-up, timed steps at ``--rate``). The table is
 :func:`benchmarks.to_target.overlap_remedy.report`'s: time to target = median over the seeds of steps x mean
-step, the limit = steps x ``compute_s``, efficiency = limit / time, ``vs_pick`` against the block's 4-host pick.
+step, the limit = steps x ``compute_s``, efficiency = limit / time, ``vs_pick`` against the 4-host pick of the same
+block (one block per ``--report`` file); ``inner_efficiency`` = median step / mean step, the efficiency with the
+median (inner) step for the compute step, which a loaded machine measures more steadily than ``compute_s``.
 
 Example::
 
@@ -56,21 +58,25 @@ def main(argv: Optional[Sequence[str]] = None) -> list[dict]:
     p.add_argument("--steps", nargs="*", default=[], metavar="RUN.json", help="benchmarks.network --to-target runs")
     p.add_argument("--out", required=True, help="JSON file: the table, the steps and every timed row")
     args = p.parse_args(argv)
-    rows = [r for path in args.report for r in json.load(open(path))["results"]]
     runs = [r for path in args.steps for r in json.load(open(path))["results"]]
     steps = dict(STEPS)
     steps.update(steps_from(runs))
-    table = overlap_remedy.report(rows, steps, {4: overlap_remedy.W_NF2, 8: overlap_remedy.W})
-    for t in table:
-        t["bytes_per_step"] = next(r.get("bytes_per_step") for r in rows if (r["hosts"], r["system"]) ==
-                                   (t["hosts"], t["system"]) and r.get("status") == "ok")
+    table, rows = [], []
+    for path in args.report:  # one block of step times per file: each against its own block's pick
+        block = json.load(open(path))["results"]
+        rows += block
+        for t in overlap_remedy.report(block, steps, {4: overlap_remedy.W_NF2, 8: overlap_remedy.W}):
+            r = next(r for r in block if (r["hosts"], r["system"], r.get("status")) == (t["hosts"], t["system"], "ok"))
+            t.update(block=path, bytes_per_step=r.get("bytes_per_step"),
+                     inner_efficiency=round(t["inner_step_s"] / t["mean_step_s"], 3))
+            table.append(t)
     with open(args.out, "w") as f:
         json.dump({"table": table, "steps": {f"{h} {s}": v for (h, s), v in steps.items()}, "results": rows}, f,
                   indent=1)
     for t in table:
         print(f"{t['hosts']} {t['bandwidth']:7s} {t['system'][-50:]:50s} steps {t['steps']} step {t['mean_step_s']:6.2f} "
               f"inner {t['inner_step_s']:5.2f} compute {t['compute_s']:5.2f} exposed {t['exposed_s']:5.2f} "
-              f"time {t['time_s']:7.0f} s eff {t['efficiency']:.2f} vs pick {t.get('vs_pick', float('nan')):.2f} "
+              f"time {t['time_s']:7.0f} s eff {t['efficiency']:.2f} / {t['inner_efficiency']:.2f} vs pick {t.get('vs_pick', float('nan')):.2f} "
               f"pick-limit {t.get('vs_pick_limit', float('nan')):.2f} load {t['load']}")
     return table
 

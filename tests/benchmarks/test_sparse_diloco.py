@@ -33,8 +33,14 @@ def test_steps_from_runs_and_the_table_against_the_pick(tmp_path):
     topk = by[sparse_diloco.W_TOPK]
     assert topk["steps"] == [300, 260] and topk["time_s"] == pytest.approx(280 * 2.2)  # median of 660, 572
     assert topk["efficiency"] == pytest.approx(2.0 / 2.2, abs=1e-3)
-    assert topk["exposed_s"] == pytest.approx(0.2)
+    assert topk["exposed_s"] == pytest.approx(0.2) and topk["inner_efficiency"] == pytest.approx(2.0 / 2.2, abs=1e-3)
     # the nf2 pick: 220 / 300 / 240 steps x 2.5 s, median 600 s; its limit 240 x 2.0 = 480 s
     assert topk["vs_pick"] == pytest.approx(600 / 616, abs=1e-3)
     assert topk["vs_pick_limit"] == pytest.approx(480 / 616, abs=1e-3)
     assert json.loads(out.read_text())["table"][0]["bytes_per_step"] == 1000.0
+    # a second block of the same link is its own block, against its own pick
+    (tmp_path / "t2.json").write_text(json.dumps({"results": [_timed(overlap_remedy.W_NF2, 3.0, 2.0, [3.0])]}))
+    two = sparse_diloco.main(["--report", str(tmp_path / "t.json"), str(tmp_path / "t2.json"), "--steps",
+                              str(tmp_path / "s.json"), "--out", str(out)])
+    assert [(t["block"][-7:], t["time_s"]) for t in two if t["system"] == overlap_remedy.W_NF2] == [
+        ("/t.json", 600.0), ("t2.json", 720.0)]
