@@ -20,6 +20,9 @@ Example:
     >>> steps_from([{"system": "x", "hosts": 4, "phase": "convergence", "seed": 1, "steps_to_target": 240},
     ...             {"system": "x", "hosts": 4, "phase": "convergence", "seed": 0, "steps_to_target": 200}])
     {(4, 'x'): ([200, 240], 'seeds 0, 1')}
+    >>> steps_from([{"system": "x", "hosts": 4, "phase": "convergence", "seed": 0, "steps_to_target": None,
+    ...              "steps_run": 400}])
+    {(4, 'x'): ([400], 'seeds 0; seed 0 missed at 400, counted as 400')}
 """
 
 from __future__ import annotations
@@ -41,13 +44,21 @@ STEPS: dict[tuple[int, str], tuple[list[int], str]] = {
 
 
 def steps_from(rows: list[dict]) -> dict[tuple[int, str], tuple[list[int], str]]:
-    """Steps to the target per (hosts, system) from ``benchmarks.network`` convergence rows, in seed order (a
-    missed target counts as ``None``)."""
-    found: dict[tuple[int, str], dict[int, Optional[int]]] = {}
+    """Steps to the target per (hosts, system) from ``benchmarks.network`` convergence rows, in seed order; a
+    missed target counts as the steps run (a lower bound, said in the source)."""
+    found: dict[tuple[int, str], dict[int, tuple[int, bool]]] = {}
     for r in rows:
         if r.get("phase") == "convergence":
-            found.setdefault((r["hosts"], r["system"]), {})[r["seed"]] = r.get("steps_to_target")
-    return {k: ([v[s] for s in sorted(v)], "seeds " + ", ".join(map(str, sorted(v)))) for k, v in found.items()}
+            reached = r.get("steps_to_target") is not None
+            steps = r["steps_to_target"] if reached else r["steps_run"]
+            found.setdefault((r["hosts"], r["system"]), {})[r["seed"]] = (steps, reached)
+    out = {}
+    for key, by_seed in found.items():
+        seeds = sorted(by_seed)
+        missed = [f"seed {s} missed at {by_seed[s][0]}, counted as {by_seed[s][0]}" for s in seeds
+                  if not by_seed[s][1]]
+        out[key] = ([by_seed[s][0] for s in seeds], "; ".join(["seeds " + ", ".join(map(str, seeds)), *missed]))
+    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> list[dict]:

@@ -17,9 +17,11 @@ def _timed(system, mean_s, compute_s, times):
 
 
 def test_steps_from_runs_and_the_table_against_the_pick(tmp_path):
-    runs = [{"system": sparse_diloco.W_TOPK, "hosts": 4, "phase": "convergence", "seed": s, "steps_to_target": n}
-            for s, n in ((2, 260), (0, 240), (1, None))] + [{"system": "x", "phase": "step_time", "hosts": 4}]
-    assert sparse_diloco.steps_from(runs) == {(4, sparse_diloco.W_TOPK): ([240, None, 260], "seeds 0, 1, 2")}
+    runs = [{"system": sparse_diloco.W_TOPK, "hosts": 4, "phase": "convergence", "seed": s, "steps_to_target": n,
+             "steps_run": 400 if n is None else n} for s, n in ((2, 260), (0, 240), (1, None))]
+    runs.append({"system": "x", "phase": "step_time", "hosts": 4})
+    assert sparse_diloco.steps_from(runs) == {
+        (4, sparse_diloco.W_TOPK): ([240, 400, 260], "seeds 0, 1, 2; seed 1 missed at 400, counted as 400")}
     times = [_timed(overlap_remedy.W_NF2, 2.5, 2.0, [2.0] * 9 + [7.0]),
              _timed(sparse_diloco.W_TOPK, 2.2, 2.0, [2.0] * 9 + [4.0])]
     runs[1]["steps_to_target"] = 300  # seed 0 now 300, seed 1 dropped: seeds 0, 2 with 300, 260 steps
