@@ -152,6 +152,9 @@ class FaultTolerance(MemberCollectives):
         self._started = 0.0
         self._samples: dict[int, int] = {}  # part -> samples since its last synchronization
         self._step_samples: Optional[int] = None
+        #: set by a synchronous job from a step's first forward (its samples counted as its agreement starts) to
+        #: the end of its backward: samples added then would silently count towards the next step
+        self.step_counted = False
         # stats
         self.members: list[str] = []
         self.rounds = self.retries = self.heals = self.served = self.left_out = 0
@@ -201,7 +204,14 @@ class FaultTolerance(MemberCollectives):
 
     def add_samples(self, n: int) -> None:
         """Count ``n`` samples in the current step (default, when never called in a step: 1 per step); the
-        average weighs each worker's tensor by the samples it contributed since the part's last round."""
+        average weighs each worker's tensor by the samples it contributed since the part's last round. In a
+        synchronous job call it before the step's first forward, with all the step's samples (its micro-batches'
+        too): the step's agreement starts at that forward."""
+        if self.step_counted:
+            raise ValueError(
+                f"worker {self.worker!r}: add_samples({n}) after this step's first forward: a synchronous job counts "
+                "a step's samples when its agreement starts, at that forward. Call ft.add_samples(n) once before the "
+                "step's first forward, with every micro-batch's samples")
         self._step_samples = (self._step_samples or 0) + int(n)
 
     def accumulation(self, base: int) -> int:

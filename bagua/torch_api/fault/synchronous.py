@@ -143,14 +143,23 @@ class SyncSteps:
         if not self._joined:
             self._join()
         if self._pending is not None or self._agreement is not None:
+            self.ft.step_counted = True
             return  # a joiner's first step takes the average it already holds; or an agreement is under way
         self.ft.count_step(1)
+        self.ft.step_counted = True  # until the backward ends: later samples would count in the next step
         self._agreement = _Agreement(self.ft, self.steps, 0)
 
     def after_backward(self) -> None:
         """Average the step's gradients over the live members (retrying without the dead) and write the average
         into the parameters' ``.grad``: what ``optimizer.step()`` applies next, the same on every member."""
+        try:
+            self._after_backward()
+        finally:
+            self.ft.step_counted = False  # the next step counts from here
+
+    def _after_backward(self) -> None:
         if self._pending is not None:
+            self.ft.count_step(0)  # the joiner's own step is not averaged: its samples count for nothing
             self._write(self._pending)
             self._pending = None
             self.steps += 1
