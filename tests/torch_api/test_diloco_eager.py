@@ -7,7 +7,9 @@ takes the outer step written out (SGD with Nesterov momentum: ``buf = d`` at the
 copy of the momentum, and sets the weights to ``e``. ``tau`` inner steps later it takes the same step with ``avg``
 on the real momentum (``g`` becomes ``g'``) and moves the weights by ``g' - e``. Each ``a + c * b`` is written as
 ``torch.add(a, b, alpha=c)``, which is how torch's SGD rounds; ``eager=False`` is Streaming DiLoCo's merge
-``x = alpha * x + (1 - alpha) * g'``, which these settings ran before eager updates existed.
+``x = alpha * x + (1 - alpha) * g'``, which these settings ran before eager updates existed. ``overlap_keep=True``
+leaves the weights where they are when the exchange starts (``x_sent``) and moves them by ``g' - x_sent`` when the
+average arrives.
 
 Tolerance: exact (rtol=0, atol=0): float32 averages of two ranks do not depend on their order, and the correction
 ``g' - e`` is rounded once, as in the library.
@@ -51,7 +53,7 @@ def _nesterov(buf, grad):
 
 
 @torch.no_grad()
-def _train_reference(rank, steps, H, F, tau, eager, alpha=0.5):
+def _train_reference(rank, steps, H, F, tau, mode, alpha=0.5):
     model = make_model(0)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     frags = _halves(model) if F == 2 else [list(model.parameters())]
@@ -72,7 +74,7 @@ def _train_reference(rank, steps, H, F, tau, eager, alpha=0.5):
                 for i, (x, g, a) in enumerate(zip(frags[p], glob[p], avg)):
                     bufs[p][i], update = _nesterov(bufs[p][i], a)
                     g.add_(update, alpha=-LR)
-                    if eager:
+                    if mode in ("eager", "keep"):
                         x.add_(g - stand_in[i])
                     else:
                         x.copy_(torch.lerp(x, g, 1 - alpha))
@@ -82,9 +84,12 @@ def _train_reference(rank, steps, H, F, tau, eager, alpha=0.5):
                 avg = [_mean_over_ranks(d) for d in local]
                 stand_in = []
                 for i, (x, g, d) in enumerate(zip(frags[p], glob[p], local)):
+                    if mode == "keep":  # the weights as they are: x_sent
+                        stand_in.append(x.clone())
+                        continue
                     _, update = _nesterov(bufs[p][i], d)  # a copy of the momentum: the real one waits for avg
                     stand_in.append(torch.add(g, update, alpha=-LR))
-                    if eager:
+                    if mode == "eager":
                         x.copy_(stand_in[-1])
                 in_flight[p] = (step + tau, avg, stand_in)
         history.append(params_of(model))
@@ -111,24 +116,27 @@ def _train(rank, steps, algorithm):
 def _worker(rank, world_size, H, tau):
     from bagua.torch_api.algorithms.diloco import DiLoCoAlgorithm
 
-    def algorithm(eager, **codec):
-        return DiLoCoAlgorithm(sync_every=H, fragments=2, overlap_steps=tau, eager=eager, hierarchical=False,
-                               outer_lr=LR, outer_momentum=M, outer_lr_warmup=0, **codec)
+    def algorithm(eager, keep=False, **codec):
+        return DiLoCoAlgorithm(sync_every=H, fragments=2, overlap_steps=tau, eager=eager, overlap_keep=keep,
+                               hierarchical=False, outer_lr=LR, outer_momentum=M, outer_lr_warmup=0, **codec)
 
     steps = 3 * H + tau
     eager, _ = _train(rank, steps, algorithm(True))
     merge, _ = _train(rank, steps, algorithm(False))
+    keep, _ = _train(rank, steps, algorithm(False, keep=True))
     _, coded_globals = _train(rank, steps, algorithm(True, compression="uint4", block_size=16))
-    return {"eager": (eager, _train_reference(rank, steps, H, 2, tau, True)),
-            "merge": (merge, _train_reference(rank, steps, H, 2, tau, False)), "uint4": coded_globals}
+    _, keep_coded_globals = _train(rank, steps, algorithm(False, keep=True, compression="uint4", block_size=16))
+    return {mode: (got, _train_reference(rank, steps, H, 2, tau, mode))
+            for mode, got in (("eager", eager), ("merge", merge), ("keep", keep))} | {
+                "uint4": coded_globals, "keep_uint4": keep_coded_globals}
 
 
 def test_eager_matches_plain_tensor_reference_and_composes():
-    """Eager updates with 2 fragments and 2 steps of overlap, against the reference; the same run with
-    ``eager=False`` still gives the merge, bit for bit; with the uint4 codec the ranks' global weights agree."""
+    """Eager updates and ``overlap_keep`` with 2 fragments and 2 steps of overlap, against the reference; the same
+    run with neither still gives the merge, bit for bit; with the uint4 codec the ranks' global weights agree."""
     H = 4
     results = run_workers(_worker, 2, H, 2, timeout=180)
-    for mode in ("eager", "merge"):
+    for mode in ("eager", "merge", "keep"):
         for rank, result in enumerate(results):
             got, expected = result[mode]
             for step, (g, e) in enumerate(zip(got, expected), start=1):
@@ -136,8 +144,11 @@ def test_eager_matches_plain_tensor_reference_and_composes():
                     assert_close(a, b, **EXACT, msg=lambda m: f"{mode} rank {rank} step {step}: {m}")
     # the stand-in is each rank's own: right after a fragment's exchange starts the ranks' weights differ
     assert any(not torch.equal(a, b) for a, b in zip(results[0]["eager"][0][1], results[1]["eager"][0][1]))
-    for a, b in zip(results[0]["uint4"], results[1]["uint4"]):
-        assert torch.equal(a, b)
+    for key in ("uint4", "keep_uint4"):
+        for a, b in zip(results[0][key], results[1][key]):
+            assert torch.equal(a, b)
+    # keeping the inner steps is not the merge: the two runs part after the first exchange lands
+    assert any(not torch.equal(a, b) for a, b in zip(results[0]["keep"][0][-1], results[0]["merge"][0][-1]))
 
 
 def test_eager_settings_refused_where_they_cannot_run():
@@ -147,13 +158,20 @@ def test_eager_settings_refused_where_they_cannot_run():
         DiLoCoSettings(eager=True)
     with pytest.raises(ValueError, match="True or False"):
         DiLoCoSettings(eager="yes", overlap_steps=1)
+    with pytest.raises(ValueError, match="overlap_keep=True. needs overlap_steps >= 1 and eager=False"):
+        DiLoCoSettings(overlap_keep=True)
+    with pytest.raises(ValueError, match="overlap_keep=True. needs overlap_steps >= 1 and eager=False"):
+        DiLoCoSettings(overlap_keep=True, eager=True, overlap_steps=1)
+    with pytest.raises(ValueError, match="fault_tolerance=.... needs overlap_steps=0"):
+        check_fault_tolerant_settings(DiLoCoSettings(overlap_keep=True, overlap_steps=1), "DiLoCoOptimizer")
     with pytest.raises(ValueError, match="asynchronous=True. needs overlap_steps=0"):
         DiLoCoSettings(eager=True, overlap_steps=1, asynchronous=True)
     with pytest.raises(ValueError, match="fault_tolerance=.... needs overlap_steps=0"):
         check_fault_tolerant_settings(DiLoCoSettings(eager=True, overlap_steps=1), "DiLoCoOptimizer")
 
 
-def test_a_checkpoint_in_flight_keeps_the_stand_in():
+@pytest.mark.parametrize("start", ["eager_step", "keep_step"])
+def test_a_checkpoint_in_flight_keeps_the_stand_in(start):
     from bagua.torch_api.ops.diloco import Fragment
 
     def sgd(params):
@@ -166,7 +184,7 @@ def test_a_checkpoint_in_flight_keeps_the_stand_in():
         with torch.no_grad():
             w.sub_(0.1)
         frag.pseudo_gradient()
-        frag.eager_step()
+        getattr(frag, start)()
         frag.pending = (1, None)
         frag.delta.fill_(0.05)  # the average that arrived
         if resume:

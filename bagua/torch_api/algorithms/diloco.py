@@ -207,6 +207,7 @@ class DiLoCoSettings:
     sync_every_max: Optional[int] = None
     max_exchange_share: float = 0.1
     eager: bool = False
+    overlap_keep: bool = False
 
     def __post_init__(self) -> None:
         check_settings(self)
@@ -243,6 +244,13 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
             (``overlap_alpha`` is then unused). Costs one more float32 copy of the weights. Default ``False``:
             measured on a small GPT at 4 and 8 workers it cost more steps than the merge
             (docs/log/2026-12-05-eager-updates.md).
+        overlap_keep: with ``overlap_steps > 0``, instead of the merge: the weights take the outer step whole and
+            keep the inner steps made while the average travelled, ``x = g + (x - x_sent)`` (``x_sent``: this
+            rank's weights when the exchange started), so no inner step is lost and nothing stands in for the
+            average; those steps then count in the fragment's next pseudo-gradient (``overlap_alpha`` is unused).
+            Costs one more float32 copy of the weights. Default ``False``: with ``fragments=5, overlap_steps=1`` on
+            the benchmark GPT at 4 hosts it cost more steps than dropping those steps (``overlap_alpha=0.0``)
+            (docs/log/2026-12-05-overlap-remedy.md).
         compression: ``"none"`` (float32 allreduce), ``"bf16"``, ``"uint8"`` or ``"uint4"`` (block-wise min/max
             codes), ``"nf2"`` (2-bit codes about each block's mean and RMS; pass ``block_size=256``) or ``"topk"``
             (sparse: each block's largest 1/32 values, positions and 4-bit codes; ``block_size=256``): a name of

@@ -65,6 +65,11 @@ def check_settings(hyper: Any) -> None:
         raise ValueError(f"{owner}(eager=True) needs overlap_steps >= 1: eager updates stand in for an average that "
                          "travels while inner steps run, and with overlap_steps=0 it arrives at once. Pass "
                          "overlap_steps=tau (the inner steps that hide the exchange), or eager=False")
+    check_bool(owner, "overlap_keep", hyper.overlap_keep)
+    if hyper.overlap_keep and (hyper.overlap_steps == 0 or hyper.eager):
+        raise ValueError(f"{owner}(overlap_keep=True) needs overlap_steps >= 1 and eager=False: it keeps the inner "
+                         "steps made while an exchange travels, instead of the merge or eager updates. Pass "
+                         "overlap_steps=tau, or overlap_keep=False")
     check_int(owner, "block_size", hyper.block_size, 2, "elements per min/max block")
     if hyper.block_size & (hyper.block_size - 1):
         raise ValueError(f"{owner}(block_size=...) must be a power of two, got {hyper.block_size!r}")

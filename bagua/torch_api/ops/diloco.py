@@ -18,6 +18,9 @@ rank's own pseudo-gradient, then correct once it arrives::
     g     = OuterOptimizer(g, grad=avg)                                  (when avg arrives)
     x     = x + (g - e)
 
+With ``overlap_keep=True`` the weights instead keep the ``tau`` inner steps made while ``avg`` travelled and take
+the outer step whole: ``x = g + (x - x_sent)``, with ``x_sent`` the local weights when the exchange started.
+
 Fragments (Streaming DiLoCo, https://arxiv.org/abs/2501.18512) split the parameters, in model order, into groups
 of about equal bytes; fragment ``p`` of ``F`` starts its exchange at the inner steps ``s`` with
 ``s % H == offset(p) % H``, ``offset(p) = round((p + 1) * H / F)``, so the fragments take turns at evenly spaced
@@ -153,6 +156,15 @@ class Fragment:
         if compression == "none":
             return over.average(self.delta)
         return over.compressed_average(self, compression, block_size, error_feedback)
+
+    @torch.no_grad()
+    def keep_step(self) -> None:
+        """Remember this rank's weights as the exchange starts (in :attr:`eager`), so that :meth:`outer_step`
+        (``eager=True``) later sets ``x = g + (x - x_sent)``: the whole outer step plus the inner steps made while
+        the average travelled. Nothing stands in for the average; the weights are left where they are."""
+        if self.eager is None:
+            self.eager = torch.empty_like(self.global_)
+        self._gather_into(self.eager)
 
     @torch.no_grad()
     def eager_step(self, stand_in: Optional[torch.Tensor] = None) -> None:

@@ -249,6 +249,8 @@ class DiLoCoDriver(FaultRounds, PacedRounds):
         if getattr(self.hyper, "eager", False):  # the local stand-in, before the exchange averages delta in place
             self._warm_outer_lr(fragment, finish_step - self.hyper.overlap_steps)
             fragment.eager_step()
+        elif getattr(self.hyper, "overlap_keep", False):  # x_sent, before the inner steps move the weights on
+            fragment.keep_step()
         if self.fault is not None:  # inline, over the round's live workers
             if not self._fault_round(fragment):
                 return False
@@ -282,7 +284,7 @@ class DiLoCoDriver(FaultRounds, PacedRounds):
     def _finish(self, fragment: Fragment) -> None:
         self._warm_outer_lr(fragment)
         fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
-                        self.owner, eager=getattr(self.hyper, "eager", False))
+                        self.owner, eager=getattr(self.hyper, "eager", False) or getattr(self.hyper, "overlap_keep", False))
         self.syncs += 1
 
     def _warm_outer_lr(self, fragment: Fragment, started: Optional[int] = None) -> None:
