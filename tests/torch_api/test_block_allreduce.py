@@ -16,7 +16,7 @@ from torch.testing import assert_close
 from tests.harness import run_workers
 from tests.torch_api.test_block_codec import _reference
 
-CODECS = ("uint4", "uint8", "bf16", "nf2")
+CODECS = ("uint4", "uint8", "bf16", "nf2", "sign1")
 
 
 def _dq(x: torch.Tensor, codec: str, block: int) -> torch.Tensor:

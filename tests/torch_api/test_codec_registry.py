@@ -23,12 +23,12 @@ GRADIENT_CODECS = ["chunk", "uint8", "uint4"]
 
 
 def test_the_registry_names_every_codec_once():
-    assert GlobalCodecRegistry.available() == ["chunk", "bf16", "uint8", "uint4", "nf2", "topk"]
+    assert GlobalCodecRegistry.available() == ["chunk", "bf16", "uint8", "uint4", "nf2", "sign1", "topk"]
     assert GlobalCodecRegistry.available(for_gradients=True) == GRADIENT_CODECS
     for alias, name in ALIASES.items():
         assert resolve_codec(alias) is resolve_codec(name)
     block_codecs = [resolve_codec(n).block_codec for n in GlobalCodecRegistry]
-    assert block_codecs == [None, "bf16", "uint8", "uint4", "nf2", "topk"]
+    assert block_codecs == [None, "bf16", "uint8", "uint4", "nf2", "sign1", "topk"]
 
 
 def test_register_works_as_a_decorator_and_refuses_duplicates():

@@ -23,8 +23,8 @@ from bagua.torch_api.ops.diloco_pace import ROUNDS
 __all__ = ["COMPRESSIONS", "check_settings", "check_fault_tolerant_settings", "pick_codec", "check_asynchronous",
            "check_outer_optimizer", "check_pace"]
 
-#: what the pseudo-gradient travels as
-COMPRESSIONS = ("none", "bf16", "uint8", "uint4", "nf2", "topk")
+#: what the pseudo-gradient travels as: float32 (``"none"``) or a block codec of the registry
+COMPRESSIONS = ("none", *(n for n in GlobalCodecRegistry.available() if GlobalCodecRegistry.get(n).block_codec))
 
 
 def check_settings(hyper: Any) -> None:

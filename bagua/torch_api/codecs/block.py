@@ -1,4 +1,4 @@
-"""Block-wise low-bit codecs (``bf16``, ``uint8``, ``uint4``, ``nf2``) as pure tensor functions.
+"""Block-wise low-bit codecs (``bf16``, ``uint8``, ``uint4``, ``nf2``, ``sign1``) as pure tensor functions.
 
 A 1-D float32 tensor of ``n`` elements splits into blocks of ``block_size`` consecutive elements (the last one may
 be short). ``uint8`` and ``uint4`` quantize every block on its own range with ``L = 255`` or ``L = 15`` levels; in
@@ -34,8 +34,10 @@ bytes per two elements: 0.39 % above ``n / 2``.
 
 ``nf2`` (:mod:`~bagua.torch_api.codecs.normal2`): 2-bit codes at a normal distribution's Lloyd-Max levels about
 each block's mean and RMS, the float32 header ``(mean, rms)``, four codes to a byte by quarters of the block (2.25
-bits per value at a block of 256). Whole-tensor operations on every device; the reductions run in float64, so
-devices agree on the bytes except in a rounding tie of the header.
+bits per value at a block of 256). ``sign1`` (:mod:`~bagua.torch_api.codecs.sign1`): one bit per value, its side of
+the block's mean, scaled by the block's mean absolute deviation; header ``(mean, deviation)``, eight codes to a
+byte (1.25 bits per value at 256). Both run whole-tensor operations on every device; the reductions run in float64,
+so devices agree on the bytes except in a rounding tie of the header.
 
 Deterministic: the codes depend only on these float32 operations (no fused multiply-add, no reciprocal of a
 scalar divisor), so every rank and device writes the same bytes for the same input.
@@ -62,14 +64,16 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from bagua.torch_api.codecs import normal2, sparse, triton_kernels
+from bagua.torch_api.codecs import normal2, sign1, sparse, triton_kernels
 from bagua.torch_api.codecs._constants import constant
 from bagua.torch_api.codecs._block_kernels import (PIECE, _decode_one, _dequantize, _dequantize_pairs, _huge,
                                                    _pieces, _quantize, _Scratch, _scale, _step)
 
 __all__ = ["CODECS", "DEFAULT_BLOCK", "PIECE", "wire_numel", "encode", "decode", "error_bound"]
 
-CODECS = ("bf16", "uint8", "uint4", "nf2")
+CODECS = ("bf16", "uint8", "uint4", "nf2", "sign1")
+#: codecs coded row by row about each block's mean (a ``(mean, scale)`` header): their modules
+_ROW_CODECS = {"nf2": normal2, "sign1": sign1}
 #: codecs that keep some values only (:mod:`~bagua.torch_api.codecs.sparse`), exchanged by all-gather
 SPARSE = ("topk",)
 #: Elements per block. The uint4 headers cost 8 bytes per block, 0.39 % of the codes at 4096 (2048: 0.78 %; 1024
@@ -92,22 +96,22 @@ def _check(codec: str, block_size: int) -> None:
 
 def _code_bytes(length: int, codec: str) -> int:
     """Bytes of codes for a block of ``length`` elements."""
-    if codec == "nf2":
-        return normal2.code_bytes(length)
+    if codec in _ROW_CODECS:
+        return _ROW_CODECS[codec].code_bytes(length)
     return length if codec == "uint8" else (length + 1) // 2
 
 
 def wire_numel(numel: int, codec: str, block_size: int = DEFAULT_BLOCK) -> int:
     """Return the bytes on the wire for ``numel`` float32 values.
 
-    ``bf16``: ``2 n``; ``uint8``: ``8 b + n``; ``uint4`` / ``nf2``: ``8 b`` plus ``ceil(m / 2)`` / ``ceil(m / 4)``
-    per block of ``m`` elements, where ``b = ceil(n / block_size)`` is the number of blocks.
+    ``bf16``: ``2 n``; ``uint8``: ``8 b + n``; ``uint4`` / ``nf2`` / ``sign1``: ``8 b`` plus ``ceil(m / 2)`` /
+    ``ceil(m / 4)`` / ``ceil(m / 8)`` per block of ``m`` elements, where ``b = ceil(n / block_size)`` is the number of blocks.
 
     Example:
         >>> wire_numel(10_000, "bf16"), wire_numel(10_000, "uint8"), wire_numel(10_000, "uint4")
         (20000, 10024, 5024)
-        >>> wire_numel(10_000, "nf2", 256)
-        2820
+        >>> wire_numel(10_000, "nf2", 256), wire_numel(10_000, "sign1", 256)
+        (2820, 1570)
     """
     _check(codec, block_size)
     if codec == "bf16":
@@ -180,10 +184,14 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
         else:
             out.copy_(x.to(torch.bfloat16).view(torch.uint8))
         return out
-    if codec == "nf2":
+    if codec in _ROW_CODECS:
         blocks = -(-n // block_size)
-        hdr = normal2.encode_runs(x, _layout(n, codec, block_size), blocks, _piece(x.device, block_size), out)
-        out[: HEADER_BYTES * blocks].copy_(hdr.view(-1).view(torch.uint8))
+        hdr = torch.empty(blocks, 2, dtype=torch.float32, device=x.device)
+        for first, count, m, start, c, i, j in _row_pieces(n, codec, block_size, x.device):
+            rows = x[start : start + count * m].view(count, m)[i:j]
+            codes = out[c : c + count * _code_bytes(m, codec)].view(count, -1)[i:j]
+            _ROW_CODECS[codec].encode_rows(rows, hdr[first + i : first + j], codes)
+        out[: HEADER_BYTES * blocks].copy_(hdr.add_(0.0).view(-1).view(torch.uint8))  # a zero as +0
         return out
     if _fused(x, out, block_size):  # CUDA: one Triton kernel, the same bytes (triton_kernels)
         return triton_kernels.block_encode(x, codec, block_size, out)
@@ -216,9 +224,13 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
     return out
 
 
-def _piece(device: torch.device, block_size: int) -> int:
-    """Blocks per piece of the ``nf2`` loops: one cache piece on CPU, every block elsewhere."""
-    return max(1, PIECE // block_size) if device.type == "cpu" else 1 << 62
+def _row_pieces(numel: int, codec: str, block_size: int, device: torch.device):
+    """The run of each piece of the row codecs' loops, ``(first, count, m, start, c)`` of :func:`_layout`, with the
+    piece's rows ``i:j`` in it: one cache piece of blocks on CPU, every block elsewhere."""
+    piece = max(1, PIECE // block_size) if device.type == "cpu" else 1 << 62
+    for first, count, m, start, c in _layout(numel, codec, block_size):
+        for i in range(0, count, piece):
+            yield first, count, m, start, c, i, min(count, i + piece)
 
 
 def _fused(values: torch.Tensor, wire: torch.Tensor, block_size: int) -> bool:
@@ -273,10 +285,13 @@ def decode(wire: torch.Tensor, numel: int, codec: str, block_size: int = DEFAULT
         for v, o in _split(k, values, out):  # bfloat16 + float32 in one op is about 10x slower
             o.add_(w[: v.numel()].copy_(v))
         return out
-    if codec == "nf2":
+    if codec in _ROW_CODECS:
         hdr = _header(wire, -(-numel // block_size))
-        return normal2.decode_runs(wire, hdr, _layout(numel, codec, block_size), _piece(out.device, block_size), out,
-                                   accumulate)
+        for first, count, m, start, c, i, j in _row_pieces(numel, codec, block_size, out.device):
+            rows = out[start : start + count * m].view(count, m)[i:j]
+            codes = wire[c : c + count * _code_bytes(m, codec)].view(count, -1)[i:j]
+            _ROW_CODECS[codec].decode_rows(codes, hdr[first + i : first + j], rows, accumulate)
+        return out
     if _fused(out, wire, block_size):
         return triton_kernels.block_decode(wire, numel, codec, block_size, out, accumulate)
     levels = _LEVELS[codec]
@@ -329,8 +344,8 @@ def error_bound(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK) ->
     if codec == "bf16":
         bound = x.abs() * 2.0**-8 + 2.0**-134
         return bound.masked_fill_(~(x.abs() < _BF16_OVERFLOW), float("inf"))
-    if codec == "nf2":
-        parts = [normal2.error_bound_rows(x[start : start + count * m].view(count, m)).reshape(-1)
+    if codec in _ROW_CODECS:
+        parts = [_ROW_CODECS[codec].error_bound_rows(x[start : start + count * m].view(count, m)).reshape(-1)
                  for _, count, m, start, _ in _layout(x.numel(), codec, block_size)]
         return torch.cat(parts).float() if parts else x.new_empty(0)
     levels = _LEVELS[codec]

@@ -35,17 +35,11 @@ Example:
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
 from bagua.torch_api.codecs._constants import constant
 
-__all__ = ["LEVELS", "THRESHOLD", "code_bytes", "encode_rows", "decode_rows", "encode_runs", "decode_runs",
-           "error_bound_rows"]
-
-#: ``(first block, blocks, block length, element offset, code byte offset)``: runs of equal blocks (``block._layout``)
-Run = tuple[int, int, int, int, int]
+__all__ = ["LEVELS", "THRESHOLD", "code_bytes", "encode_rows", "decode_rows", "error_bound_rows"]
 
 #: The Lloyd-Max 2-bit levels of a standard normal distribution, in code order.
 LEVELS = (-1.5104, -0.4528, 0.4528, 1.5104)
@@ -99,31 +93,6 @@ def decode_rows(codes: torch.Tensor, header: torch.Tensor, out: torch.Tensor, ac
         out.add_(values)
     else:
         out.copy_(values)
-
-
-def encode_runs(x: torch.Tensor, runs: Sequence[Run], blocks: int, piece: int, out: torch.Tensor) -> torch.Tensor:
-    """Encode the 1-D ``x`` block by block into the codes of the wire ``out`` (``piece`` blocks at a time) and
-    return the ``(blocks, 2)`` float32 headers for the caller to write (a zero as +0)."""
-    hdr = torch.empty(blocks, 2, dtype=torch.float32, device=x.device)
-    for first, count, m, start, c in runs:
-        rows = x[start : start + count * m].view(count, m)
-        codes = out[c : c + count * code_bytes(m)].view(count, -1)
-        for i in range(0, count, piece):
-            j = min(count, i + piece)
-            encode_rows(rows[i:j], hdr[first + i : first + j], codes[i:j])
-    return hdr.add_(0.0)
-
-
-def decode_runs(wire: torch.Tensor, hdr: torch.Tensor, runs: Sequence[Run], piece: int, out: torch.Tensor,
-                accumulate: bool) -> torch.Tensor:
-    """Decode the wire's codes with the ``(blocks, 2)`` headers ``hdr`` into the 1-D ``out`` (or add them)."""
-    for first, count, m, start, c in runs:
-        rows = out[start : start + count * m].view(count, m)
-        codes = wire[c : c + count * code_bytes(m)].view(count, -1)
-        for i in range(0, count, piece):
-            j = min(count, i + piece)
-            decode_rows(codes[i:j], hdr[first + i : first + j], rows[i:j], accumulate)
-    return out
 
 
 def error_bound_rows(rows: torch.Tensor) -> torch.Tensor:

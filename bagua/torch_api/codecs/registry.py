@@ -11,6 +11,8 @@ name       code
 ``uint4``  4 bits per value, one min/max per block.
 ``nf2``    2 bits per value at a normal distribution's levels about each block's mean and RMS
            (:mod:`~bagua.torch_api.codecs.normal2`).
+``sign1``  1 bit per value: its side of each block's mean, scaled by the block's mean absolute deviation
+           (:mod:`~bagua.torch_api.codecs.sign1`; 1.25 bits per value at ``block_size=256``).
 ``topk``   sparse: each block's 1/32 largest values by magnitude, their positions and 4 bits per value, exchanged
            by all-gather (:mod:`~bagua.torch_api.codecs.sparse`; 0.5 bits per value at ``block_size=256``).
 =========  =======================================================================================================
@@ -18,7 +20,7 @@ name       code
 The keyword is ``codec=`` (``ByteGradAlgorithm``, ``QAdamAlgorithm``, ``LowPrecisionDecentralizedAlgorithm``,
 ``contrib.ddp_hooks.ByteGradState``, ``ops.compressed.centralized_low_precision_op``); the original's bucket API
 keeps its own ``compression=`` keyword and takes the same names. Aliases resolve to their codec's name, so an
-alias and the name give bit-identical results. ``bf16`` and ``nf2`` are registered for pseudo-gradients (DiLoCo)
+alias and the name give bit-identical results. ``bf16``, ``nf2``, ``sign1`` and ``topk`` are registered for pseudo-gradients (DiLoCo)
 and not offered for gradients (``for_gradients=False``): the gradient algorithms list and accept the others.
 
 Each entry holds the factory of its workspace (the buffers and error-feedback residuals of one tensor's compressed
@@ -177,5 +179,7 @@ GlobalCodecRegistry.register("uint4", _block_workspace("uint4"), block_codec="ui
                 description="4 bits per value, block-wise, for very slow links")
 GlobalCodecRegistry.register("nf2", _block_workspace("nf2"), block_codec="nf2", for_gradients=False,
                 description="2 bits per value at normal levels about each block's mean and RMS")
+GlobalCodecRegistry.register("sign1", _block_workspace("sign1"), block_codec="sign1", for_gradients=False,
+                description="1 bit per value: its side of each block's mean, scaled by the mean deviation")
 GlobalCodecRegistry.register("topk", _block_workspace("topk"), block_codec="topk", for_gradients=False,
                 description="top 1/32 of each block by magnitude, their positions and 4-bit values (all-gather)")
