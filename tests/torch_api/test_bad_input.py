@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -98,8 +100,9 @@ def test_integer_tensor_in_a_bucket_is_rejected():
         BaguaBucket([t], "0")
 
 
-def _worker_timeout(rank, world_size, algorithm="gradient_allreduce"):
-    """Rank 1 never joins the step: rank 0's backward must fail with a timeout naming the bucket, not hang."""
+def _worker_timeout(rank, world_size, algorithm="gradient_allreduce", done=""):
+    """Rank 1 never joins the step: rank 0's backward must fail with a timeout naming the bucket, not hang. Rank 1
+    stays stuck until rank 0 is done (the file ``done``; at most 40 s), not for a fixed time."""
     import time
 
     from bagua.torch_api.algorithms import Algorithm
@@ -107,20 +110,24 @@ def _worker_timeout(rank, world_size, algorithm="gradient_allreduce"):
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model.with_bagua([opt], Algorithm.init(algorithm, hierarchical=False))
-    if rank == 1:
-        time.sleep(8)  # a stuck peer
-        return "stuck"
     start = time.monotonic()
+    if rank == 1:
+        while not os.path.exists(done) and time.monotonic() - start < 40:  # a stuck peer
+            time.sleep(0.05)
+        return "stuck"
     try:
         model(torch.randn(2, 4)).sum().backward()
     except RuntimeError as exc:
         return f"{time.monotonic() - start:.1f}s: {exc}"
+    finally:
+        open(done, "w").close()
     return "no error"
 
 
 @pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad"])  # collectives; point-to-point sends
-def test_dead_peer_times_out_with_a_clear_error(algorithm):
-    message, _ = run_workers(_worker_timeout, 2, algorithm, env={"BAGUA_COMM_TIMEOUT_S": "3"}, timeout=60)
+def test_dead_peer_times_out_with_a_clear_error(algorithm, tmp_path):
+    message, _ = run_workers(_worker_timeout, 2, algorithm, str(tmp_path / "done"), env={"BAGUA_COMM_TIMEOUT_S": "3"},
+                             timeout=60)
     assert "rank 0" in message and "bucket '0'" in message, message
     assert "BAGUA_COMM_TIMEOUT_S" in message or "timed out" in message.lower() or "Timed out" in message, message
 
