@@ -20,9 +20,9 @@ checks read what each worker saved at the end:
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +33,7 @@ from tests.harness import run_workers
 from tests.torch_api.models import batch, make_model
 
 WORKERS, STEPS, H = 3, 48, 4
-PACED = ["--step-s", "0.25"]  # 12 s of rounds: time for a stopped worker to be left out and readmitted
+PACED = ["--step-s", "0.25"]  # 12 s of rounds: the job still runs when the test kills its coordinator
 
 
 def _held(tmp_path: Path) -> list[str]:
@@ -60,10 +60,17 @@ def _stopped(p: subprocess.Popen) -> bool:
         return False
 
 
-def _job(tmp_path: Path, extra: dict[int, list[str]], restart: bool = False, stall_s: float = 0.0,
+def _last_round(log: Path) -> int:
+    """The last round a worker printed as done (tests/fault/ft_worker.py), 0 before any."""
+    return max(map(int, re.findall(r"^round (\d+) done$", log.read_text(), re.M)), default=0)
+
+
+def _job(tmp_path: Path, extra: dict[int, list[str]], restart: bool = False, stalled: bool = False,
          kill_coordinator: bool = False, timeout_s: float = 150.0,
          api: str = "optimizer", expect_failure: bool = False) -> tuple[list[dict], dict[int, int]]:
-    """Run the job; restart a worker that was SIGKILLed (once); SIGCONT a stopped one after ``stall_s``; with
+    """Run the job; restart a worker that was SIGKILLed (once); with ``stalled``, SIGCONT a stopped worker once
+    worker 0 has finished a round past the stopped one's last (one it was left out of, however slowly the machine
+    goes), and write ``tmp_path/arrived`` (the others' ``--hold``) once it has found that out and joins again; with
     ``kill_coordinator``, SIGKILL the coordinator once every worker has finished its second round. ``api``:
     ``DiLoCoOptimizer`` (``"optimizer"``) or ``with_bagua`` and ``DiLoCoAlgorithm`` (``"algorithm"``)."""
     continued: set[int] = set()
@@ -80,21 +87,24 @@ def _job(tmp_path: Path, extra: dict[int, list[str]], restart: bool = False, sta
             job.coordinator.kill()
             killed.append(True)
         for i, p in job.procs.items():
-            if stall_s and i not in continued and _stopped(p):
-                time.sleep(stall_s)
+            if not stalled:
+                continue
+            if i not in continued and _stopped(p) and _last_round(job.logs[0]) > _last_round(job.logs[i]):
                 p.send_signal(signal.SIGCONT)
                 continued.add(i)
+            if i in continued and "joining again" in job.logs[i].read_text():
+                (tmp_path / "arrived").touch()
 
     results, codes, _ = run_job(tmp_path, WORKERS, spawn, restart=restart, on_poll=on_poll, timeout_s=timeout_s,
                                 check=not (kill_coordinator or expect_failure))
     return results, codes
 
 
-def _same_global(results: list[dict]) -> None:
+def _same_global(results: list[dict], steps: int = STEPS) -> None:
     ref = results[0]["global"]
     for r in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(ref, r["global"])), "the workers' global weights differ"
-        assert r["syncs"] == results[0]["syncs"] and r["steps"] == STEPS
+        assert r["syncs"] == results[0]["syncs"] and r["steps"] == steps
     assert all(torch.isfinite(g).all() for g in ref)
 
 
@@ -218,9 +228,14 @@ def test_workers_with_different_settings_stop_with_a_clear_error(tmp_path):
 
 
 def test_stalled_worker_is_left_out_then_readmitted(tmp_path):
-    extra = {i: PACED + (["--stall", "6"] if i == 2 else []) for i in range(WORKERS)}
-    results, _ = _job(tmp_path, extra, stall_s=4.0)
-    _same_global(results)
+    # w2 stops itself before its step 6 (after the round of step 4) and is sent SIGCONT once w0 has closed the round
+    # of step 8 without it; w0 and w1 wait before their step 9 until w2 has found out it was left out and joins
+    # again, then w2 heals in the round of step 12 and all three average at step 16
+    steps = 16
+    held = ["--steps", str(steps), "--step-s", "0.02", "--hold", str(tmp_path), "--hold-step", "9"]
+    extra = {i: held if i < 2 else ["--steps", str(steps), "--step-s", "0.02", "--stall", "6"] for i in range(WORKERS)}
+    results, _ = _job(tmp_path, extra, stalled=True)
+    _same_global(results, steps)
     assert results[2]["stats"]["left_out"] >= 1 and results[2]["stats"]["heals"] >= 1, results[2]["log"]
     assert all(r["stats"]["left_out"] == 0 for r in results[:2])
 
