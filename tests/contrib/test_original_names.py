@@ -72,14 +72,16 @@ def test_start_redis_server_cli_outlives_its_caller_on_loopback_with_a_password(
     info = queue.get(timeout=30)
     child.join(timeout=30)
     assert child.exitcode == 0 and info["host"] == "127.0.0.1" and info["port"] == port and info["password"]
-    admin = redis.Redis(**info)
+    # no retries: redis-py's default retries an AuthenticationError, and SHUTDOWN's lost connection, for seconds each
+    no_retry = {"retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0)}
+    admin = redis.Redis(**info, **no_retry)
     try:
         assert admin.ping()  # still serving after the process that started it exited
         config = admin.config_get("*")
         assert config["bind"] == "127.0.0.1" and config["protected-mode"] == "yes"
         assert config["maxmemory"] == "10000000" and config["maxmemory-policy"] == "noeviction"
         with pytest.raises(redis.exceptions.AuthenticationError):
-            redis.Redis(host="127.0.0.1", port=port).ping()
+            redis.Redis(host="127.0.0.1", port=port, **no_retry).ping()
         store = RedisStore(hosts=[info], cluster_mode=False)
         store.mset({"a": b"1", "b": b"2"})
         assert store.mget(["a", "b", "c"]) == [b"1", b"2", None] and store.num_keys() == 2

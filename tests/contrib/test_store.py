@@ -194,7 +194,9 @@ def test_spawned_redis_server_is_private_and_stopped():
     try:
         assert host["host"] == "127.0.0.1" and len(host["password"]) == 32
         with pytest.raises(redis.exceptions.AuthenticationError):
-            redis.Redis(host=host["host"], port=host["port"]).get("k")
+            # no retries: redis-py's default retries an AuthenticationError for seconds
+            redis.Redis(host=host["host"], port=host["port"],
+                        retry=redis.retry.Retry(redis.backoff.NoBackoff(), 0)).get("k")
         admin = redis.Redis(host=host["host"], port=host["port"], password=host["password"], decode_responses=True)
         config = {k: admin.config_get(k)[k] for k in
                   ("bind", "protected-mode", "maxmemory", "maxmemory-policy", "save", "appendonly")}
