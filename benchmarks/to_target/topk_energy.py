@@ -70,7 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> list[tuple[str, float, float]]
     d = pseudo_gradient(args.model, args.steps, args.seed)
     print(f"{args.steps} steps in {time.monotonic() - t:.0f} s, |d| {d.norm():.4f}, {d.numel()} values")
     out = []
-    for codec, block in (("topk", 256), ("nf2", 256), ("uint4", 4096)):
+    for codec, block in (("topk", 256), ("sign1", 256), ("nf2", 256), ("uint4", 4096)):
         y = bc.decode(bc.encode(d, codec, block), d.numel(), codec, block)
         out.append((f"{codec} (block {block})", *kept(d, y)))
     rows = d[: d.numel() // 256 * 256].view(-1, 256)

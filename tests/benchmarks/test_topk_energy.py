@@ -21,3 +21,8 @@ def test_energy_and_cosine_per_density(monkeypatch):
         assert energy == pytest.approx(top, rel=1e-5) and cos == pytest.approx(top ** 0.5, rel=1e-5)
     assert out["uint4 (block 4096)"][1] > 0.99
     assert out["topk (block 256)"][1] == pytest.approx(out["exact top 8 of 256"][1], abs=0.01)
+    # sign1: mean -0.5, mean |d - mean| 128.5, so the odd (positive) values decode to 128 and the even to -129
+    y = torch.where(d > 0, 128.0, -129.0)
+    energy, cos = out["sign1 (block 256)"]
+    assert energy == pytest.approx(float(y.square().sum() / total), rel=1e-6)
+    assert cos == pytest.approx(float(torch.dot(y, d) / (y.norm() * d.norm())), rel=1e-6)
