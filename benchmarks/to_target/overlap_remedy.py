@@ -55,6 +55,7 @@ STEPS: dict[tuple[int, str], tuple[list[int], str]] = {
     (4, REMEDY_WHOLE): ([240, 280], "overlap-remedy-4hosts-f5t1-alpha0-s{0,1}.json (seeds 0-1)"),
     (8, "ddp"): ([320, 300, 300], "to-target-gpt-8hosts.json"),
     (8, W): ([200, 180, 200], "to-target-gpt-8hosts.json"),
+    (8, W_NF2): ([220, 180, 220], "nf2-8hosts-s{0,1,2}.json"),
 }
 #: the reference of each host count: today's pick at 10 Mbit/s (picks.json)
 PICKS = {4: W_NF2, 8: W}
