@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import torch
 
-from bagua.torch_api.codecs._constants import constant
+from bagua.torch_api.codecs._packing import decode_levels, pack_codes
 
 __all__ = ["LEVELS", "THRESHOLD", "code_bytes", "encode_rows", "decode_rows", "error_bound_rows"]
 
@@ -46,7 +46,6 @@ LEVELS = (-1.5104, -0.4528, 0.4528, 1.5104)
 #: The outer decision threshold (the middle one is 0).
 THRESHOLD = 0.9816
 _WORST_INNER = max(LEVELS[2], THRESHOLD - LEVELS[2])  # 0.5288: the largest error of a value within the thresholds
-_SHIFTS = (0, 2, 4, 6)
 
 
 def code_bytes(m: int) -> int:
@@ -76,23 +75,13 @@ def encode_rows(rows: torch.Tensor, header: torch.Tensor, codes: torch.Tensor) -
     q[:, :m] = (c > -t).to(torch.uint8)
     q[:, :m] += c > 0
     q[:, :m] += c > t
-    parts = q.view(k, 4, h)
-    torch.bitwise_left_shift(parts, constant(_SHIFTS, torch.uint8, rows.device, (1, 4, 1)), out=parts)
-    codes.copy_(parts.sum(dim=1, dtype=torch.uint8))  # the parts' bits do not overlap: the sum is their OR
+    pack_codes(q, codes, 2)
 
 
 def decode_rows(codes: torch.Tensor, header: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
     """Write ``mu + rms * LEVELS[q]`` of the ``(k, ceil(m / 4))`` uint8 ``codes`` into the ``(k, m)`` float32
     ``out``, or add it (in float32) with ``accumulate``."""
-    k, m = out.shape
-    shifts = constant(_SHIFTS, torch.uint8, codes.device, (1, 4, 1))
-    q = torch.bitwise_right_shift(codes.unsqueeze(1), shifts).bitwise_and_(3).view(k, -1)[:, :m]
-    values = constant(LEVELS, torch.float32, codes.device, (4,))[q.long()]
-    values.mul_(header[:, 1:2]).add_(header[:, 0:1])
-    if accumulate:
-        out.add_(values)
-    else:
-        out.copy_(values)
+    decode_levels(codes, header, out, LEVELS, 2, accumulate)
 
 
 def error_bound_rows(rows: torch.Tensor) -> torch.Tensor:

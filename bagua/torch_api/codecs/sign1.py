@@ -34,11 +34,10 @@ from __future__ import annotations
 
 import torch
 
-from bagua.torch_api.codecs._constants import constant
+from bagua.torch_api.codecs._packing import decode_levels, pack_codes
 
 __all__ = ["code_bytes", "encode_rows", "decode_rows", "error_bound_rows"]
 
-_SHIFTS = tuple(range(8))
 _LEVELS = (-1.0, 1.0)
 
 
@@ -65,23 +64,13 @@ def encode_rows(rows: torch.Tensor, header: torch.Tensor, codes: torch.Tensor) -
     h = code_bytes(m)
     q = torch.zeros(k, 8 * h, dtype=torch.uint8, device=rows.device)
     q[:, :m] = (rows - mu) > 0
-    parts = q.view(k, 8, h)
-    torch.bitwise_left_shift(parts, constant(_SHIFTS, torch.uint8, rows.device, (1, 8, 1)), out=parts)
-    codes.copy_(parts.sum(dim=1, dtype=torch.uint8))  # the parts' bits do not overlap: the sum is their OR
+    pack_codes(q, codes, 1)
 
 
 def decode_rows(codes: torch.Tensor, header: torch.Tensor, out: torch.Tensor, accumulate: bool = False) -> None:
     """Write ``mu + s * (2 q - 1)`` of the ``(k, ceil(m / 8))`` uint8 ``codes`` into the ``(k, m)`` float32 ``out``,
     or add it (in float32) with ``accumulate``."""
-    k, m = out.shape
-    shifts = constant(_SHIFTS, torch.uint8, codes.device, (1, 8, 1))
-    q = torch.bitwise_right_shift(codes.unsqueeze(1), shifts).bitwise_and_(1).view(k, -1)[:, :m]
-    values = constant(_LEVELS, torch.float32, codes.device, (2,))[q.long()]
-    values.mul_(header[:, 1:2]).add_(header[:, 0:1])
-    if accumulate:
-        out.add_(values)
-    else:
-        out.copy_(values)
+    decode_levels(codes, header, out, _LEVELS, 1, accumulate)
 
 
 def error_bound_rows(rows: torch.Tensor) -> torch.Tensor:
