@@ -16,10 +16,10 @@ Streaming DiLoCo (https://arxiv.org/abs/2501.18512) adds three things, each a kn
   ``x = alpha * x + (1 - alpha) * g`` (``overlap_alpha``, the paper's alpha; with ``tau = 0`` simply ``x = g``);
 - ``compression``: the pseudo-gradient travels as ``"bf16"``, in 8 or 4 bits per value with a min/max per block
   (``"uint8"``, ``"uint4"``), in 2 bits about each block's mean and RMS (``"nf2"``, best with ``block_size=256``;
-  :mod:`bagua.torch_api.codecs.block`) or in 1 bit, each value's side of the mean (``"sign1"``), through a scatter-reduce-gather, or sparse (``"topk"``: each block's
-  largest 1/32 with 4-bit values, :mod:`bagua.torch_api.codecs.sparse`) through an all-gather; accumulation
-  and the outer step stay in float32, and error feedback (on by default when compressed) carries each rank's
-  quantization error to its next pseudo-gradient.
+  :mod:`bagua.torch_api.codecs.block`) or in 1 bit, each value's side of the mean (``"sign1"``), through a
+  scatter-reduce-gather, or sparse (``"topk"``: each block's largest 1/32 with 4-bit values,
+  :mod:`bagua.torch_api.codecs.sparse`) through an all-gather; accumulation and the outer step stay in float32, and
+  error feedback (on by default when compressed) carries each rank's quantization error to its next pseudo-gradient.
 
 Every rank ends each synchronization with the same global weights, bit for bit, whatever the compression (the
 average is all-gathered as bytes); with ``tau = 0`` also the same model weights.
@@ -252,8 +252,8 @@ class DiLoCoAlgorithm(DiLoCoSettings, Algorithm):
             the benchmark GPT at 4 hosts it cost more steps than dropping those steps (``overlap_alpha=0.0``)
             (docs/log/2026-12-05-overlap-remedy.md).
         compression: ``"none"`` (float32 allreduce), ``"bf16"``, ``"uint8"`` or ``"uint4"`` (block-wise min/max
-            codes), ``"nf2"`` (2-bit codes about each block's mean and RMS; pass ``block_size=256``), ``"sign1"`` (1 bit
-            per value about each block's mean, scaled by its mean deviation; ``block_size=256``) or ``"topk"``
+            codes), ``"nf2"`` (2-bit codes about each block's mean and RMS; pass ``block_size=256``), ``"sign1"``
+            (1 bit per value about each block's mean, scaled by its mean deviation; ``block_size=256``) or ``"topk"``
             (sparse: each block's largest 1/32 values, positions and 4-bit codes; ``block_size=256``): a name of
             :data:`~bagua.torch_api.codecs.registry.GlobalCodecRegistry`, or ``"none"``.
         error_feedback: keep each rank's compression error and add it to the next pseudo-gradient; ``None``

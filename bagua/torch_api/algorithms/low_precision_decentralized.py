@@ -176,8 +176,8 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
         communication_interval: communicate every that many steps.
         codec: the code of the differences, a name of the codec registry (:mod:`~bagua.torch_api.codecs.registry`):
             ``"chunk"`` (the default and the original's: MinMaxUInt8 with one min/max for the whole bucket; alias
-            ``"MinMaxUInt8"``), ``"bf16"``, ``"uint8"``, ``"uint4"``, ``"nf2"`` or ``"sign1"`` (one header per block of
-            ``block_size`` elements, so that every tensor of the bucket keeps its resolution).
+            ``"MinMaxUInt8"``), ``"bf16"``, ``"uint8"``, ``"uint4"``, ``"nf2"`` or ``"sign1"`` (one header per
+            block of ``block_size`` elements, so that every tensor of the bucket keeps its resolution).
         block_size: elements per block of the block codecs (even).
 
     Example:

@@ -105,7 +105,8 @@ def wire_numel(numel: int, codec: str, block_size: int = DEFAULT_BLOCK) -> int:
     """Return the bytes on the wire for ``numel`` float32 values.
 
     ``bf16``: ``2 n``; ``uint8``: ``8 b + n``; ``uint4`` / ``nf2`` / ``sign1``: ``8 b`` plus ``ceil(m / 2)`` /
-    ``ceil(m / 4)`` / ``ceil(m / 8)`` per block of ``m`` elements, where ``b = ceil(n / block_size)`` is the number of blocks.
+    ``ceil(m / 4)`` / ``ceil(m / 8)`` per block of ``m`` elements, where ``b = ceil(n / block_size)`` is the number
+    of blocks.
 
     Example:
         >>> wire_numel(10_000, "bf16"), wire_numel(10_000, "uint8"), wire_numel(10_000, "uint4")
@@ -187,10 +188,8 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
     if codec in _ROW_CODECS:
         blocks = -(-n // block_size)
         hdr = torch.empty(blocks, 2, dtype=torch.float32, device=x.device)
-        for first, count, m, start, c, i, j in _row_pieces(n, codec, block_size, x.device):
-            rows = x[start : start + count * m].view(count, m)[i:j]
-            codes = out[c : c + count * _code_bytes(m, codec)].view(count, -1)[i:j]
-            _ROW_CODECS[codec].encode_rows(rows, hdr[first + i : first + j], codes)
+        for rows, codes, piece_hdr in _row_pieces(x, out, hdr, codec, block_size):
+            _ROW_CODECS[codec].encode_rows(rows, piece_hdr, codes)
         out[: HEADER_BYTES * blocks].copy_(hdr.add_(0.0).view(-1).view(torch.uint8))  # a zero as +0
         return out
     if _fused(x, out, block_size):  # CUDA: one Triton kernel, the same bytes (triton_kernels)
@@ -224,13 +223,16 @@ def encode(x: torch.Tensor, codec: str, block_size: int = DEFAULT_BLOCK,
     return out
 
 
-def _row_pieces(numel: int, codec: str, block_size: int, device: torch.device):
-    """The run of each piece of the row codecs' loops, ``(first, count, m, start, c)`` of :func:`_layout`, with the
-    piece's rows ``i:j`` in it: one cache piece of blocks on CPU, every block elsewhere."""
-    piece = max(1, PIECE // block_size) if device.type == "cpu" else 1 << 62
-    for first, count, m, start, c in _layout(numel, codec, block_size):
+def _row_pieces(values: torch.Tensor, wire: torch.Tensor, hdr: torch.Tensor, codec: str, block_size: int):
+    """The row codecs' pieces of blocks: ``(rows of values, their codes in wire, their headers)`` views, one cache
+    piece of blocks at a time on CPU, every block at once elsewhere."""
+    piece = max(1, PIECE // block_size) if values.device.type == "cpu" else 1 << 62
+    for first, count, m, start, c in _layout(values.numel(), codec, block_size):
+        rows = values[start : start + count * m].view(count, m)
+        codes = wire[c : c + count * _code_bytes(m, codec)].view(count, -1)
         for i in range(0, count, piece):
-            yield first, count, m, start, c, i, min(count, i + piece)
+            j = min(count, i + piece)
+            yield rows[i:j], codes[i:j], hdr[first + i : first + j]
 
 
 def _fused(values: torch.Tensor, wire: torch.Tensor, block_size: int) -> bool:
@@ -287,10 +289,8 @@ def decode(wire: torch.Tensor, numel: int, codec: str, block_size: int = DEFAULT
         return out
     if codec in _ROW_CODECS:
         hdr = _header(wire, -(-numel // block_size))
-        for first, count, m, start, c, i, j in _row_pieces(numel, codec, block_size, out.device):
-            rows = out[start : start + count * m].view(count, m)[i:j]
-            codes = wire[c : c + count * _code_bytes(m, codec)].view(count, -1)[i:j]
-            _ROW_CODECS[codec].decode_rows(codes, hdr[first + i : first + j], rows, accumulate)
+        for rows, codes, piece_hdr in _row_pieces(out, wire, hdr, codec, block_size):
+            _ROW_CODECS[codec].decode_rows(codes, piece_hdr, rows, accumulate)
         return out
     if _fused(out, wire, block_size):
         return triton_kernels.block_decode(wire, numel, codec, block_size, out, accumulate)

@@ -18,10 +18,10 @@ name       code
 =========  =======================================================================================================
 
 The keyword is ``codec=`` (``ByteGradAlgorithm``, ``QAdamAlgorithm``, ``LowPrecisionDecentralizedAlgorithm``,
-``contrib.ddp_hooks.ByteGradState``, ``ops.compressed.centralized_low_precision_op``); the original's bucket API
-keeps its own ``compression=`` keyword and takes the same names. Aliases resolve to their codec's name, so an
-alias and the name give bit-identical results. ``bf16``, ``nf2``, ``sign1`` and ``topk`` are registered for pseudo-gradients (DiLoCo)
-and not offered for gradients (``for_gradients=False``): the gradient algorithms list and accept the others.
+``contrib.ddp_hooks.ByteGradState``, ``ops.compressed.centralized_low_precision_op``); the original's bucket API keeps
+its own ``compression=`` keyword and takes the same names. Aliases resolve to their codec's name, so an alias and the
+name give bit-identical results. ``bf16``, ``nf2``, ``sign1`` and ``topk`` are registered for pseudo-gradients
+(DiLoCo) and not offered for gradients (``for_gradients=False``): the gradient algorithms list and accept the others.
 
 Each entry holds the factory of its workspace (the buffers and error-feedback residuals of one tensor's compressed
 allreduce); :func:`bagua.torch_api.codecs.workspace.make_workspace` builds it by name.

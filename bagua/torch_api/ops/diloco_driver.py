@@ -283,8 +283,10 @@ class DiLoCoDriver(FaultRounds, PacedRounds):
 
     def _finish(self, fragment: Fragment) -> None:
         self._warm_outer_lr(fragment)
+        # eager updates and overlap_keep both move the weights by g - (what _start kept in fragment.eager)
+        corrected = getattr(self.hyper, "eager", False) or getattr(self.hyper, "overlap_keep", False)
         fragment.finish(env.get_comm_timeout_s(), self.hyper.overlap_alpha if self.hyper.overlap_steps > 0 else 0.0,
-                        self.owner, eager=getattr(self.hyper, "eager", False) or getattr(self.hyper, "overlap_keep", False))
+                        self.owner, eager=corrected)
         self.syncs += 1
 
     def _warm_outer_lr(self, fragment: Fragment, started: Optional[int] = None) -> None:
